@@ -1,0 +1,150 @@
+"""Load a target (or draft) causal LM and its tokenizer from a Hub id, a local directory or a GGUF file.
+
+This is the one place the project turns a model name into a `transformers` model. It lives in `heads/`
+because every other package (runtime, training, data) needs it and `heads/` imports nothing of ours.
+
+GGUF checkpoints are dequantised by transformers (slow: about a minute for a 135M model), so the first
+load saves a converted safetensors copy under the cache directory and later loads read that copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "../shared/models/smollm2-135m-instruct"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16; raises naming the accepted values."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF copies are kept: $SPECHEADS_CACHE or ~/.cache/specheads."""
+    return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model location: a directory or Hub id, and the GGUF file inside it if any."""
+
+    name_or_path: str
+    gguf_file: str | None = None
+
+
+def resolve_source(name_or_path: str) -> ModelSource:
+    """Find out whether `name_or_path` is a GGUF file, a directory holding one, a HF directory or a Hub id."""
+    path = Path(name_or_path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {name_or_path}: a file must be a .gguf checkpoint; pass a directory otherwise")
+        return ModelSource(str(path.parent), path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(str(path))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(path), ggufs[0].name)
+        if len(ggufs) > 1:
+            raise ValueError(f"--model {name_or_path}: holds several .gguf files {[g.name for g in ggufs]}; "
+                             "pass the file itself")
+        raise FileNotFoundError(f"--model {name_or_path}: directory has neither config.json nor a .gguf file")
+    if name_or_path.startswith((".", "/")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"--model {name_or_path}: no such file or directory")
+    return ModelSource(name_or_path)  # a Hub id
+
+
+def _converted_path(source: ModelSource) -> Path:
+    gguf = Path(source.name_or_path) / source.gguf_file
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(source: ModelSource) -> Path:
+    """Dequantise a GGUF checkpoint once and keep a safetensors copy (written atomically)."""
+    target = _converted_path(source)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    quantized = AutoModelForCausalLM.from_pretrained(source.name_or_path, gguf_file=source.gguf_file,
+                                                     dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model; rebuild a plain one from its config and weights.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    tokenizer = _load_tokenizer(source)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for extra in ("generation_config.json", "chat_template.jinja"):
+            if (Path(source.name_or_path) / extra).is_file():
+                shutil.copy(Path(source.name_or_path) / extra, tmp / extra)
+        (tmp / "SOURCE").write_text(str((Path(source.name_or_path) / source.gguf_file).resolve()) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    directory = Path(source.name_or_path)
+    if source.gguf_file and not (directory / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(source.name_or_path, gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(source.name_or_path)
+
+
+def model_path(name_or_path: str) -> str:
+    """A directory or Hub id that `from_pretrained` reads without GGUF (converting a GGUF once if needed)."""
+    source = resolve_source(name_or_path)
+    return str(_convert_gguf(source)) if source.gguf_file else source.name_or_path
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model given as Hub id, directory or GGUF (reads the converted copy for GGUF)."""
+    return AutoTokenizer.from_pretrained(model_path(name_or_path))
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM in eval mode from a Hub id, a local directory or a GGUF file (cached conversion)."""
+    path = model_path(name_or_path)
+    kwargs = {"dtype": parse_dtype(dtype), "attn_implementation": attn_implementation}
+    if revision is not None:
+        kwargs["revision"] = revision
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as err:
+        if "does not support" in str(err) and attn_implementation == "sdpa":
+            raise ValueError(f"--model {name_or_path}: {err}. Pass --attn_implementation eager") from err
+        raise
+    return model.to(device).eval()
+
+
+def load_model_and_tokenizer(name_or_path: str, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`load_model` plus `load_tokenizer` for the same source."""
+    return load_model(name_or_path, **kwargs), load_tokenizer(name_or_path)

@@ -1,0 +1,50 @@
+"""The proposer contract: every drafter (draft model, prompt lookup, Medusa, EAGLE, MTP) implements it.
+
+The decode loop (runtime/generate.py) calls, once per step:
+    draft = proposer.propose(state)          # candidate tree rooted at the last committed token
+    ... verify + accept ...
+    proposer.on_accept(state, draft, acceptance, target_hidden)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.tree import Tree
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A candidate tree with its tokens and, for sampled drafts, the distributions children came from.
+
+    tokens[0] is the root: the last committed token. `probs[i]` (if not None) is the draft distribution q,
+    after the same temperature/top-k/top-p processing as the target, from which the children of node i
+    were drawn *without replacement*, in child order. `probs is None` means the children are deterministic
+    guesses (point masses); rejection sampling stays lossless either way.
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    tree: Tree
+    probs: torch.Tensor | None = None  # [N, V] float32 or None
+
+
+class Proposer(Protocol):
+    """A drafter. Owns its own state (draft KV cache, n-gram index...); the loop passes state explicitly."""
+
+    #: which target hidden states the proposer needs from each verify forward (HF hidden_states indices,
+    #: e.g. [-1] for Medusa/EAGLE-1, [2, L//2, L-3] for EAGLE-3); empty for none.
+    hidden_state_indices: tuple[int, ...]
+
+    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        """Start a new sequence. prompt_ids: [T]; prefill_hidden: index -> [T, H] target hidden states."""
+
+    def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        """Draft a tree rooted at committed_ids[-1] with at most `max_tokens` non-root nodes."""
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        """Update drafter state. accepted_nodes: node ids root..last accepted (root included);
+        tree_hidden: index -> [N, H] target hidden states at the tree nodes (for feature-based drafters)."""
