@@ -40,8 +40,12 @@ class Tree:
 
     @staticmethod
     def chain(length: int) -> Tree:
-        """Root plus `length` draft tokens in a line."""
-        return Tree.from_parents([-1] + list(range(length)))
+        """Root plus `length` draft tokens in a line (built directly: prefill uses chains of prompt length)."""
+        if length < 0:
+            raise ValueError(f"chain length must be >= 0, got {length}")
+        n = length + 1
+        return Tree(parents=torch.arange(-1, length), depth=torch.arange(n),
+                    ancestors=torch.ones(n, n, dtype=torch.bool).tril_())
 
     @property
     def num_nodes(self) -> int:

@@ -1,0 +1,6 @@
+"""Drafters: every one implements the `Proposer` protocol of runtime/proposers/base.py."""
+
+from runtime.proposers.base import Autoregressive, Draft, Proposer, root_only
+from runtime.proposers.prompt_lookup import PromptLookupProposer
+
+__all__ = ["Autoregressive", "Draft", "Proposer", "PromptLookupProposer", "root_only"]

@@ -48,3 +48,24 @@ class Proposer(Protocol):
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         """Update drafter state. accepted_nodes: node ids root..last accepted (root included);
         tree_hidden: index -> [N, H] target hidden states at the tree nodes (for feature-based drafters)."""
+
+
+def root_only(committed_ids: torch.Tensor) -> Draft:
+    """The empty draft: just the root (committed_ids[-1]); verifying it is one plain decoding step."""
+    return Draft(tokens=committed_ids[-1:].clone(), tree=Tree.chain(0))
+
+
+class Autoregressive:
+    """Proposes nothing: the loop then does plain decoding (tau = 1.0). The baseline of every benchmark."""
+
+    hidden_state_indices: tuple[int, ...] = ()
+
+    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        pass
+
+    def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        return root_only(committed_ids)
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        pass

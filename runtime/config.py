@@ -1,0 +1,138 @@
+"""Generation and speculation settings: the loop's config and the flat CLI arguments of runtime.generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sampling import SamplingConfig
+
+ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
+METHODS = ("autoregressive", "prompt_lookup", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How many tokens the proposer may draft per step.
+
+    Fixed: always `num_speculative_tokens`. Adaptive (`adaptive=True`, CLI `--num_speculative_tokens auto`),
+    the schedule of transformers' assisted generation ("heuristic"): start at `num_speculative_tokens`;
+    after a step where every drafted token was accepted grow by 2, otherwise shrink by 1, kept within
+    [min_speculative_tokens, max_speculative_tokens].
+    """
+
+    num_speculative_tokens: int = 5
+    adaptive: bool = False
+    min_speculative_tokens: int = 1
+    max_speculative_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"--num_speculative_tokens must be >= 0 or 'auto', got {self.num_speculative_tokens}")
+        if not 0 <= self.min_speculative_tokens <= self.max_speculative_tokens:
+            raise ValueError("--min_speculative_tokens/--max_speculative_tokens: need 0 <= min <= max, got "
+                             f"{self.min_speculative_tokens}, {self.max_speculative_tokens}")
+
+
+class SpeculationLength:
+    """The current draft budget k, updated after each step per `SpeculationConfig`."""
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.current = config.num_speculative_tokens
+        if config.adaptive:
+            self.current = min(max(self.current, config.min_speculative_tokens), config.max_speculative_tokens)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """num_drafted: draft depth offered this step; num_accepted: drafted tokens accepted (bonus excluded)."""
+        if not self.config.adaptive or num_drafted == 0:
+            return
+        step = 2 if num_accepted == num_drafted else -1
+        self.current = min(max(self.current + step, self.config.min_speculative_tokens),
+                           self.config.max_speculative_tokens)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything the decode loop needs besides the models and the prompt."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    acceptance: str = "rejection"  # greedy / typical (lossy) / rejection; greedy sampling -> exact match
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    eos_token_ids: tuple[int, ...] | None = None  # None: the target's generation_config; (): never stop early
+    seed: int | None = None  # seeds the generator used for sampling and acceptance
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"--max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"--acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+
+
+@dataclass
+class GenerateArguments:
+    """Flags of `python -m runtime.generate` (flat; parsed with transformers.HfArgumentParser)."""
+
+    model: str = field(default="../shared/models/smollm2-135m-instruct",
+                       metadata={"help": "target: Hub id, local directory or .gguf file"})
+    prompt: str = field(default="Write a short story about a robot who learns to paint.",
+                        metadata={"help": "user message (chat template applied when the tokenizer has one)"})
+    method: str = field(default="prompt_lookup", metadata={"help": f"drafter: one of {METHODS}; "
+                                                           "--draft_model alone implies draft_model"})
+    draft_model: str | None = field(default=None, metadata={"help": "draft model (same tokenizer as --model)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "stop after this many new tokens"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
+    acceptance: str = field(default="rejection", metadata={"help": f"acceptance rule: {ACCEPTANCE_RULES}"})
+    num_speculative_tokens: str = field(default="5", metadata={"help": "draft length k per step, or 'auto' "
+                                                               "(grow by 2 when all accepted, else shrink by 1)"})
+    max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto'"})
+    draft_tree_branching: str = field(default="", metadata={"help": "draft-model tree: comma-separated top-b "
+                                                            "children per depth, e.g. '2,2' (empty = chain)"})
+    max_ngram: int = field(default=3, metadata={"help": "prompt lookup: longest n-gram to match"})
+    min_ngram: int = field(default=1, metadata={"help": "prompt lookup: shortest n-gram to match"})
+    dtype: str = field(default="float32", metadata={"help": "float32 / bfloat16 / float16 / float64"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    seed: int = field(default=0, metadata={"help": "random seed for sampling"})
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+
+    def speculation(self) -> SpeculationConfig:
+        """--num_speculative_tokens K|auto -> SpeculationConfig."""
+        if self.num_speculative_tokens == "auto":
+            return SpeculationConfig(num_speculative_tokens=5, adaptive=True,
+                                     max_speculative_tokens=self.max_speculative_tokens)
+        try:
+            k = int(self.num_speculative_tokens)
+        except ValueError:
+            raise ValueError(f"--num_speculative_tokens: expected an int or 'auto', got "
+                             f"{self.num_speculative_tokens!r}") from None
+        return SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=max(k, self.max_speculative_tokens))
+
+    def branching(self) -> tuple[int, ...]:
+        """--draft_tree_branching '2,2' -> (2, 2)."""
+        if not self.draft_tree_branching.strip():
+            return ()
+        try:
+            values = tuple(int(v) for v in self.draft_tree_branching.split(","))
+        except ValueError:
+            raise ValueError(f"--draft_tree_branching: expected comma-separated ints, got "
+                             f"{self.draft_tree_branching!r}") from None
+        if any(v < 1 for v in values):
+            raise ValueError(f"--draft_tree_branching: every value must be >= 1, got {values}")
+        return values
+
+    def resolved_method(self) -> str:
+        if self.draft_model is not None and self.method == "prompt_lookup":
+            return "draft_model"
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError("--method draft_model needs --draft_model")
+        return self.method
+
+    def decode_config(self) -> DecodeConfig:
+        sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, sampling=sampling, acceptance=self.acceptance,
+                            speculation=self.speculation(), seed=self.seed)
