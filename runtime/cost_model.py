@@ -1,0 +1,345 @@
+"""Verification cost model: how a target forward's time grows with the number of tree tokens, and the tree
+size that maximises expected accepted tokens per second.
+
+Speculation pays when the extra tokens of a verify forward are nearly free. On a GPU at batch 1 they are,
+up to tens of tokens; on a CPU they are not (a 32-token forward costs ~3x a 1-token one). So the tree size
+is chosen per device:
+
+    size* = argmax_n  E[tau(n)] / (t_verify(n + 1) + t_draft(n))
+
+with E[tau(n)] the expected accepted length (bonus included) of the best n-node tree for the heads (from
+their measured per-depth/per-rank accuracies), t_verify(q) the median time of a target forward over q tree
+tokens (root + n nodes) at a given KV length, measured here, and t_draft(n) the drafter's time per step.
+
+Measured curves are cached per (model, device, dtype, KV length, threads) as JSON under
+`$SPECHEADS_CACHE/cost_curves/` (default ~/.cache/specheads), so a run measures them once.
+
+Standalone curve (any HF causal LM, or a random-weight Llama-3-8B-shaped model built on the device, no
+download; timing does not depend on the weights):
+
+    python -m runtime.cost_model --model ../shared/models/smollm2-135m-instruct --kv_length 256 --max_tokens 64
+    python -m runtime.cost_model --random_llama3_8b --device cuda --dtype bfloat16 --kv_length 1024 \\
+        --max_tokens 256 --output outputs/bench/verify_cost_llama3_8b.json --plot outputs/bench/verify_cost.png
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from heads.loading import cache_dir
+from runtime.masks import tree_attention_mask
+from runtime.tree import Tree
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Median seconds of one target verify forward over `tokens[i]` query tokens (root + tree nodes)."""
+
+    tokens: list[int]
+    seconds: list[float]
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    kv_length: int = 0
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.seconds) or not self.tokens:
+            raise ValueError("cost curve needs as many (>= 1) token counts as timings")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise ValueError(f"cost curve token counts must be increasing and >= 1, got {self.tokens}")
+
+    def seconds_at(self, tokens: float) -> float:
+        """Piecewise-linear interpolation of the measured medians; linear extrapolation beyond the ends."""
+        xs, ys = self.tokens, self.seconds
+        if len(xs) == 1:
+            return ys[0]
+        i = next((k for k in range(1, len(xs)) if xs[k] >= tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 0.0)
+
+    def relative(self) -> list[float]:
+        """Cost of each point relative to a 1-token forward (interpolated if 1 was not measured)."""
+        base = self.seconds_at(1)
+        return [s / base for s in self.seconds]
+
+
+def measure_curve(run_forward: Callable[[int], None], tokens: Sequence[int], repeats: int = 5,
+                  warmup: int = 2, synchronize: Callable[[], None] | None = None) -> list[float]:
+    """Median wall time of `run_forward(q)` for each q in `tokens` (after `warmup` untimed calls each).
+
+    Sizes are interleaved across repeats so slow drifts of a shared machine hit every size alike.
+    """
+    sync = synchronize or (lambda: None)
+    for q in tokens:
+        for _ in range(warmup):
+            run_forward(q)
+    sync()
+    samples: dict[int, list[float]] = {q: [] for q in tokens}
+    for _ in range(repeats):
+        for q in tokens:
+            sync()
+            start = time.perf_counter()
+            run_forward(q)
+            sync()
+            samples[q].append(time.perf_counter() - start)
+    return [statistics.median(samples[q]) for q in tokens]
+
+
+def _measurement_tree(num_tokens: int) -> Tree:
+    """A bushy tree of `num_tokens` nodes (binary heap shape); cost does not depend on the shape."""
+    return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, num_tokens)])
+
+
+def hf_verify_forward(model, kv_length: int, seed: int = 0) -> Callable[[int], None]:
+    """A `run_forward(q)` doing one tree verify forward of q tokens after a `kv_length`-token prefix.
+
+    The prefix is prefilled once into a DynamicCache; each call appends q tree tokens with the project's
+    tree mask and positions (prefix_len + depth), computes logits at every tree position (what verification
+    needs) and crops the cache back. This is the target forward the runtime's verify performs.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        if kv_length > 0:
+            prefix = torch.randint(vocab, (1, kv_length), generator=gen).to(device)
+            model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def run(q: int) -> None:
+        if q not in trees:
+            tree = _measurement_tree(q)
+            ids = torch.randint(vocab, (1, q), generator=gen).to(device)
+            mask = tree_attention_mask(tree, kv_length, model.dtype).to(device)
+            pos = (kv_length + tree.depth)[None].to(device)
+            trees[q] = (ids, mask, pos)
+        ids, mask, pos = trees[q]
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
+        cache.crop(-q)
+
+    return run
+
+
+def device_name(device: torch.device | str) -> str:
+    """'NVIDIA H200' / 'cpu-1threads' (CPU timings depend on the thread count)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}-{torch.get_num_threads()}threads"
+
+
+def model_fingerprint(model) -> str:
+    """name_or_path plus a hash of the config: two models with the same shapes cost the same."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    name = Path(str(getattr(model.config, "_name_or_path", "") or model.config.model_type)).name
+    return f"{name}-{digest}"
+
+
+def _cache_file(model: str, device: str, dtype: str, kv_length: int) -> Path:
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}")
+    return cache_dir() / "cost_curves" / f"{key}.json"
+
+
+def save_curve(curve: CostCurve, path: str | Path) -> None:
+    """Write a curve as JSON atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(curve), f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_curve(path: str | Path) -> CostCurve:
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        return CostCurve(**data)
+    except TypeError as err:
+        raise ValueError(f"cost curve file {path}: unexpected content ({err})") from err
+
+
+def verify_cost_curve(model, kv_length: int = 256, max_tokens: int = 64, repeats: int = 5,
+                      use_cache: bool = True, run_forward: Callable[[int], None] | None = None) -> CostCurve:
+    """The verify cost curve of `model` on its device, from the on-disk cache or measured (then cached).
+
+    max_tokens: largest verify size measured (root + tree nodes); sizes are DEFAULT_SIZES up to it.
+    run_forward: how to run a q-token verify (default: `hf_verify_forward(model, kv_length)`).
+    """
+    device = next(model.parameters()).device
+    meta = dict(model=model_fingerprint(model), device=device_name(device),
+                dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length)
+    path = _cache_file(**meta)
+    if use_cache and path.is_file():
+        curve = load_curve(path)
+        if curve.tokens[-1] >= max_tokens:
+            return curve
+    tokens = [q for q in DEFAULT_SIZES if q <= max_tokens]
+    if not tokens or tokens[-1] != max_tokens:
+        tokens.append(max_tokens)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    run = run_forward or hf_verify_forward(model, kv_length)
+    curve = CostCurve(tokens=tokens, seconds=measure_curve(run, tokens, repeats=repeats, synchronize=sync), **meta)
+    if use_cache:
+        save_curve(curve, path)
+    return curve
+
+
+@dataclass(frozen=True)
+class SizeChoice:
+    """The chosen tree size and the table it was chosen from (one row per candidate size)."""
+
+    size: int
+    rows: list[dict[str, float]] = field(default_factory=list)  # size, expected_tau, seconds, tokens_per_second
+
+
+def choose_tree_size(sizes: Sequence[int], expected_tau: Callable[[int], float],
+                     verify_seconds: Callable[[int], float],
+                     draft_seconds: Callable[[int], float] = lambda n: 0.0) -> SizeChoice:
+    """argmax over `sizes` (non-root tree nodes) of E[tau(n)] / (verify_seconds(n + 1) + draft_seconds(n)).
+
+    Size 0 (no speculation: a 1-token forward, tau = 1) is a valid candidate when listed.
+    """
+    if not sizes:
+        raise ValueError("choose_tree_size needs at least one candidate size")
+    rows = []
+    for n in sizes:
+        seconds = verify_seconds(n + 1) + (draft_seconds(n) if n > 0 else 0.0)
+        tau = expected_tau(n)
+        if seconds <= 0 or math.isnan(seconds):
+            raise ValueError(f"step time for tree size {n} must be positive, got {seconds}")
+        rows.append(dict(size=n, expected_tau=tau, seconds=seconds, tokens_per_second=tau / seconds))
+    best = max(rows, key=lambda r: (r["tokens_per_second"], -r["size"]))
+    return SizeChoice(size=int(best["size"]), rows=rows)
+
+
+def chain_expected_tau(per_depth_accuracy: Sequence[float]) -> Callable[[int], float]:
+    """E[tau(n)] for a chain of n draft tokens whose depth-d token is right with prob acc[d] given the
+    previous ones: 1 + sum_{d<n} prod_{i<=d} acc[i]. Beyond the measured depths the chain gains nothing."""
+    acc = [float(a) for a in per_depth_accuracy]
+
+    def tau(n: int) -> float:
+        total, run = 1.0, 1.0
+        for a in acc[:n]:
+            run *= a
+            total += run
+        return total
+
+    return tau
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+@dataclass
+class CostModelArgs:
+    """Flags of `python -m runtime.cost_model`."""
+
+    model: str = field(default="", metadata={"help": "target (Hub id, directory or GGUF); or --random_llama3_8b"})
+    random_llama3_8b: bool = field(default=False, metadata={
+        "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    dtype: str = field(default="float32", metadata={"help": "float32 / bfloat16 / float16"})
+    kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})
+    max_tokens: int = field(default=256, metadata={"help": "largest verify size (root + tree nodes)"})
+    repeats: int = field(default=7, metadata={"help": "timed repeats per size (median reported)"})
+    accuracy: str = field(default="configs/trees/medusa_default_32.yaml", metadata={
+        "help": "tree file whose 'accuracy' table gives E[tau(n)] for the auto choice printed at the end"})
+    output: str = field(default="", metadata={"help": "JSON file for the curve and the auto choice"})
+    plot: str = field(default="", metadata={"help": "PNG of time and relative cost vs tree tokens"})
+    no_cache: bool = field(default=False, metadata={"help": "measure even if a cached curve exists"})
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+
+
+def random_llama3_8b(device: str, dtype: torch.dtype):
+    """Llama-3-8B shapes (32 layers, hidden 4096, GQA 32/8, FFN 14336, vocab 128256) with random weights,
+    initialised directly on `device` (~16 GB in bf16)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config._name_or_path = "random-llama3-8b-shape"
+    with torch.device(device):  # weights are initialised on the device itself: no host copy, no download
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _plot(curve: CostCurve, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o")
+    ax[0].set(xlabel="tree tokens per verify forward", ylabel="ms (median)", xscale="log",
+              title=f"{curve.model}\n{curve.device}, {curve.dtype}, KV {curve.kv_length}")
+    ax[1].plot(curve.tokens, curve.relative(), marker="o")
+    ax[1].set(xlabel="tree tokens per verify forward", ylabel="cost / 1-token forward", xscale="log")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import HfArgumentParser
+
+    from heads.loading import load_model, parse_dtype
+    from runtime.tree_search import expected_accepted_lengths
+
+    (args,) = HfArgumentParser(CostModelArgs).parse_args_into_dataclasses(args=argv)
+    torch.set_num_threads(args.num_threads)
+    if args.random_llama3_8b == bool(args.model):
+        raise ValueError("pass exactly one of --model or --random_llama3_8b")
+    dtype = parse_dtype(args.dtype)
+    model = random_llama3_8b(args.device, dtype) if args.random_llama3_8b else \
+        load_model(args.model, dtype=dtype, device=args.device)
+    curve = verify_cost_curve(model, args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
+    result: dict = {"curve": asdict(curve), "relative": curve.relative()}
+    print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
+    for q, s, r in zip(curve.tokens, curve.seconds, result["relative"], strict=True):
+        print(f"  {q:4d} tokens  {s * 1000:9.3f} ms  x{r:5.2f}")
+    if args.accuracy:
+        import yaml
+
+        table = yaml.safe_load(Path(args.accuracy).read_text())["accuracy"]
+        taus = expected_accepted_lengths(table, args.max_tokens - 1)
+        choice = choose_tree_size(range(len(taus)), lambda n: taus[n], curve.seconds_at)
+        best = choice.rows[choice.size]
+        print(f"auto tree size (Medusa table of {args.accuracy}): {choice.size} nodes, E[tau] "
+              f"{best['expected_tau']:.2f}, {best['tokens_per_second']:.1f} tokens/s expected "
+              f"(plain: {1 / curve.seconds_at(1):.1f})")
+        result["auto"] = {"accuracy_table": args.accuracy, "size": choice.size, "rows": choice.rows}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=Path(args.output).parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.output)
+    if args.plot:
+        _plot(curve, args.plot)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,71 @@
+"""Verification cost model: curve interpolation, size choice, measurement and on-disk cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.cost_model import (
+    CostCurve,
+    chain_expected_tau,
+    choose_tree_size,
+    hf_verify_forward,
+    load_curve,
+    measure_curve,
+    verify_cost_curve,
+)
+from runtime.tree_search import expected_accepted_lengths
+from tests.tiny_models import tiny_model
+
+
+def test_interpolation_and_extrapolation():
+    curve = CostCurve(tokens=[1, 5, 9], seconds=[1.0, 2.0, 4.0])
+    assert curve.seconds_at(1) == 1.0
+    assert curve.seconds_at(3) == pytest.approx(1.5)
+    assert curve.seconds_at(7) == pytest.approx(3.0)
+    assert curve.seconds_at(11) == pytest.approx(5.0)  # slope of the last segment
+    assert curve.relative() == pytest.approx([1.0, 2.0, 4.0])
+    with pytest.raises(ValueError, match="increasing"):
+        CostCurve(tokens=[2, 1], seconds=[1.0, 1.0])
+
+
+def test_choice_flat_vs_steep_cost():
+    taus = expected_accepted_lengths([[0.6, 0.2, 0.1], [0.4, 0.1], [0.3]], 20)
+    sizes = range(len(taus))
+    flat = choose_tree_size(sizes, lambda n: taus[n], lambda q: 1.0)  # GPU-like: extra tokens are free
+    assert flat.size == len(taus) - 1  # the whole tree (ties -> the smaller one, none here: gains > 0)
+    steep = choose_tree_size(sizes, lambda n: taus[n], lambda q: float(q))  # cost proportional to tokens
+    assert steep.size == 0  # speculation never pays: tau(n) < n + 1
+    # hand check: cost 1 + 0.1 (q - 1); tau(1) = 1.6 / 1.1 = 1.4545, tau(2) = 1.84 / 1.2 = 1.533,
+    # tau(3) = 2.04 / 1.3 = 1.569, tau(4) = 2.14 / 1.4 = 1.529 -> 3
+    mid = choose_tree_size(range(5), lambda n: taus[n], lambda q: 1 + 0.1 * (q - 1))
+    assert taus[:5] == pytest.approx([1.0, 1.6, 1.84, 2.04, 2.14])
+    assert mid.size == 3
+    with_draft = choose_tree_size(range(1, 5), lambda n: taus[n], lambda q: 1 + 0.1 * (q - 1), lambda n: 3.0)
+    assert with_draft.size == 4  # a large fixed draft cost favours bigger trees: 2.14/4.4 > 2.04/4.3
+
+
+def test_chain_expected_tau():
+    tau = chain_expected_tau([0.5, 0.5])
+    assert [tau(n) for n in range(4)] == pytest.approx([1.0, 1.5, 1.75, 1.75])
+
+
+def test_measure_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    curve = verify_cost_curve(model, kv_length=16, max_tokens=6, repeats=2)
+    assert curve.tokens == [1, 2, 3, 4, 6] and all(s > 0 for s in curve.seconds)
+    files = list((tmp_path / "cost_curves").glob("*.json"))
+    assert len(files) == 1 and load_curve(files[0]) == curve
+
+    def must_not_run(q):
+        raise AssertionError("cached curve must not be re-measured")
+
+    assert verify_cost_curve(model, kv_length=16, max_tokens=6, run_forward=must_not_run) == curve
+
+
+def test_hf_verify_forward_restores_cache_length():
+    model = tiny_model("qwen3")
+    run = hf_verify_forward(model, kv_length=8)
+    calls = []
+    timings = measure_curve(lambda q: (calls.append(q), run(q)), [1, 5], repeats=2, warmup=1)
+    assert len(timings) == 2 and calls == [1, 5, 1, 5, 1, 5]
