@@ -65,7 +65,8 @@ class GenerationStats:
     @property
     def acceptance_per_depth(self) -> list[float]:
         """P(depth-d draft token accepted | a depth-d token was drafted), d = 1, 2, ..."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth, strict=True)]
+        accepted = self.accepted_per_depth + [0] * (len(self.drafted_per_depth) - len(self.accepted_per_depth))
+        return [a / d for a, d in zip(accepted, self.drafted_per_depth, strict=True)]
 
     @property
     def draft_time(self) -> float:
