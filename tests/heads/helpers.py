@@ -1,0 +1,64 @@
+"""Shared test helpers for tests/heads: a tiny target, randomised heads and their outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from heads import HeadsConfig, build_heads, target_modules
+from heads.vocab import build_vocab_mapping
+from tests.tiny_models import tiny_model
+
+VARIANTS = {
+    "medusa": ("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 2}),
+    "medusa_shared": ("medusa", {"medusa_num_heads": 2, "medusa_shared_lm_head": True}),
+    "eagle": ("eagle", {"eagle_fc_bias": True}),
+    "eagle3": ("eagle3", {"draft_vocab_size": 96}),
+    "mtp": ("mtp", {"mtp_num_depths": 2}),
+}
+TARGET_NAME = "tiny-llama"
+
+
+def tiny_target(**overrides):
+    return tiny_model("llama", **overrides)
+
+
+def random_heads(variant: str, target, seed: int = 0, name: str = TARGET_NAME):
+    """A head of `variant` for `target` with every parameter randomised (zero init would hide bugs)."""
+    kind, options = VARIANTS[variant]
+    config = HeadsConfig.for_target(kind, target.config, name, **options)
+    heads = build_heads(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    if kind == "eagle3":
+        counts = torch.randint(0, 1000, (config.vocab_size,), generator=generator)
+        heads.set_vocab_mapping(*build_vocab_mapping(counts, config.draft_vocab_size))
+    return heads.eval()
+
+
+def head_outputs(heads, target, seed: int = 1) -> list[torch.Tensor]:
+    """Every output a runtime would use, on fixed random inputs."""
+    tm = target_modules(target)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 6, target.config.hidden_size, generator=generator)
+    ids = torch.randint(0, target.config.vocab_size, (2, 6), generator=generator)
+    pos = torch.arange(6)[None].expand(2, -1)
+    kind = heads.config.kind
+    with torch.no_grad():
+        if kind == "medusa":
+            return [heads(hidden, lm_head=tm.lm_head if heads.config.medusa_shared_lm_head else None)]
+        if kind == "eagle":
+            out = heads(hidden, ids, embed_tokens=tm.embed_tokens, position_ids=pos)
+            return [out.hidden_states, out.past_key_value.key, heads.compute_logits(out.hidden_states, tm.lm_head)]
+        if kind == "eagle3":
+            feats = heads.project([hidden, hidden * 0.5, -hidden])
+            out = heads(feats, ids, embed_tokens=tm.embed_tokens, position_ids=pos)
+            logits = heads.compute_logits(out.hidden_states)
+            return [out.hidden_states, logits, heads.draft_to_target(logits.argmax(-1))]
+        outs = []
+        for depth in range(heads.config.mtp_num_depths):
+            out = heads(hidden, ids, depth=depth, embed_tokens=tm.embed_tokens, position_ids=pos)
+            hidden = out.hidden_states
+            outs.append(heads.compute_logits(hidden, depth=depth, lm_head=tm.lm_head))
+        return outs
