@@ -160,6 +160,7 @@ class TargetModel:
         hidden = {i: out.hidden_states[i][0] for i in hidden_state_indices}
         return ForwardOutput(logits=out.logits[0], hidden=hidden)
 
+    @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
         """Keep the forwarded tree nodes `keep` (increasing ids, e.g. an accepted path) as committed tokens."""
         compact_cache(self.cache, self.prefix_len, self.num_pending, keep)
