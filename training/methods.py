@@ -1,0 +1,351 @@
+"""One training module per method: batch -> LossOutput, with the target's features computed online (frozen
+target forward under no_grad) or read from the batch (offline shards).
+
+Every module's forward is `forward(batch, train, generator) -> LossOutput`: `train=True` computes the
+training objective; `train=False` the held-out statistics (EAGLE-style drafts unrolled `eval_depth` steps on
+their own outputs). `generator` seeds EAGLE's feature noise. The frozen target is held outside the module's
+parameters (so DDP/FSDP wrap only what trains), except for Medusa-2 whose LoRA-adapted target trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from heads.base import HeadsModule, TargetModules, target_modules
+from heads.checkpoint import build_heads, load_heads
+from heads.config import HeadsConfig
+from heads.eagle import Eagle3Draft, EagleDraft
+from heads.medusa import MedusaHeads
+from heads.mtp import MTPHeads
+from heads.vocab import build_vocab_mapping, count_tokens, draft_to_target_ids
+from training.config import TrainConfig, eagle3_layers
+from training.losses import (
+    DepthStats,
+    LossOutput,
+    depth_cross_entropy,
+    depth_weights,
+    eagle3_step_loss,
+    eagle_step_loss,
+    lm_cross_entropy,
+    lm_distillation,
+)
+
+
+def feature_key(layer: int) -> str:
+    """Name of the hidden_states[layer] feature in a batch (offline shards use the same names)."""
+    return f"hidden_states.{layer}"
+
+
+@torch.no_grad()
+def target_hidden_states(target: nn.Module, batch: dict[str, Any], layers: list[int]) -> list[Tensor]:
+    """HF hidden_states[l] for each l in `layers` ([B, T, H] each; [-1]/L = after the final norm).
+
+    Offline batches carry them under `feature_key(l)`; otherwise the frozen target runs once (no_grad).
+    """
+    if "features" in batch:
+        missing = [feature_key(i) for i in layers if feature_key(i) not in batch["features"]]
+        if missing:
+            raise ValueError(f"--features: the shards hold {sorted(batch['features'])}, this method needs "
+                             f"{missing}; write shards for those layers")
+        return [batch["features"][feature_key(i)] for i in layers]
+    out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                 use_cache=False)
+    return [out.hidden_states[i] for i in layers]
+
+
+def apply_head(module: nn.Module, x: Tensor) -> Tensor:
+    """Run a frozen target module (LM head) on x cast to its weight dtype. [..., H] -> [..., V]."""
+    return module(x.to(module.weight.dtype))
+
+
+def shifted_tokens(input_ids: Tensor, shift: int, pad: int) -> Tensor:
+    """Token t+shift at position t (pad beyond the end). [B, T] -> [B, T]."""
+    out = torch.full_like(input_ids, pad)
+    if shift < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
+    return out
+
+
+def unroll_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Training-time-test mask [1, 1, T, (step + 1) T] for unroll step `step`.
+
+    Keys are the step-0 slots (causal over the sequence) followed by one block of T slots per later step;
+    query t sees step-0 slots <= t and, in each later block, only slot t (its own chain). This is what a chain
+    drafted from position t sees at run time: the prefix features, then its own drafted tokens.
+    """
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    allowed = torch.cat([torch.ones(length, length, dtype=torch.bool, device=device).tril()] + [eye] * step, 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def unroll_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, steps: int, pad: int,
+                 embed_tokens: nn.Module) -> list[Tensor]:
+    """Run an EAGLE-style draft `steps` times on its own outputs; returns the output [B, T, H] of each step.
+
+    Step s at position t reads token t+1+s and (s = 0) `first_hidden` at t or (s > 0) the step s-1 output at
+    t, at RoPE position t+s, attending as `unroll_mask` says.
+    """
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    hidden, cache, outputs = first_hidden, None, []
+    for step in range(steps):
+        mask = None if step == 0 else unroll_mask(length, step, hidden.dtype, hidden.device).expand(batch, -1, -1, -1)
+        out = draft(hidden, shifted_tokens(input_ids, 1 + step, pad), embed_tokens=embed_tokens,
+                    position_ids=positions + step, attention_mask=mask, past_key_value=cache)
+        cache, hidden = out.past_key_value, out.hidden_states
+        outputs.append(hidden)
+    return outputs
+
+
+class _FrozenTarget:
+    """Holds the frozen target outside nn.Module registration (so it is neither trained nor checkpointed)."""
+
+    def __init__(self, target: nn.Module) -> None:
+        self.model = target
+        self.modules: TargetModules = target_modules(target)
+
+
+class MedusaTraining(nn.Module):
+    """Medusa-1: frozen target; heads on hs[-1]; CE per head on token t+2+h, weights head_decay**h."""
+
+    def __init__(self, heads: MedusaHeads, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.heads = heads
+        self._target = _FrozenTarget(target)
+        self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.decay, self.top_k = config.head_decay, config.eval_top_k
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        (hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
+        logits = self.heads(hidden.to(self.heads.heads[0][-1].weight.dtype))  # [K, B, T, V]
+        return depth_cross_entropy(list(logits), batch["input_ids"], batch["loss_mask"], self.decay, self.top_k)
+
+
+class Medusa2Training(nn.Module):
+    """Medusa-2: LoRA target (peft) + heads; LM loss + weighted head losses (+ KL to the frozen target)."""
+
+    def __init__(self, heads: MedusaHeads, peft_target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.heads = heads
+        self.target = peft_target
+        self.config = config
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        config = self.config
+        out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          output_hidden_states=True, use_cache=False)
+        hidden = out.hidden_states[-1]
+        heads_logits = self.heads(hidden.to(self.heads.heads[0][-1].weight.dtype))
+        heads = depth_cross_entropy(list(heads_logits), batch["input_ids"], batch["loss_mask"], config.head_decay,
+                                    config.eval_top_k)
+        lm = lm_cross_entropy(out.logits, batch["input_ids"], batch["loss_mask"])
+        total = config.heads_loss_weight * heads.loss + config.lm_loss_weight * lm
+        extra = {"lm_loss": lm.detach()}
+        if config.distill_weight > 0:
+            with torch.no_grad(), self.target.disable_adapter():
+                reference = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        use_cache=False).logits
+            distill = lm_distillation(out.logits, reference, batch["loss_mask"])
+            total = total + config.distill_weight * distill
+            extra["distill_loss"] = distill.detach()
+        return LossOutput(total, heads.depth, extra)
+
+
+class EagleTraining(nn.Module):
+    """EAGLE-1/2: smooth-L1 regression of f_{t+1} + soft CE through the frozen LM head; noisy input features."""
+
+    def __init__(self, draft: EagleDraft, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self._target = _FrozenTarget(target)
+        self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.config = config
+        self.pad = 0
+
+    @property
+    def heads(self) -> HeadsModule:
+        return self.draft
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        config, frozen = self.config, self._target.modules
+        (target_hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
+        dtype = self.draft.fc.weight.dtype
+        features = target_hidden.to(dtype)
+        with torch.no_grad():
+            target_logits = apply_head(frozen.lm_head, target_hidden)
+        if train and config.feature_noise > 0:
+            noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
+            features = features + (noise - 0.5) * config.feature_noise
+        steps = 1 if train else config.eval_depth
+        outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, self.pad, frozen.embed_tokens)
+        total = features.new_zeros((), dtype=torch.float32)
+        stats, feature_sum, token_sum = [], 0.0, 0.0
+        for step, predicted in enumerate(outputs):
+            logits = apply_head(frozen.lm_head, predicted)
+            feature, token, hits = eagle_step_loss(predicted, logits, target_hidden, target_logits,
+                                                   batch["input_ids"], batch["loss_mask"], step, config.eval_top_k)
+            step_loss = config.feature_loss_weight * feature + config.token_loss_weight * token
+            total = total + step_loss
+            stats.append((step_loss, *hits))
+            feature_sum, token_sum = feature_sum + feature.detach(), token_sum + token.detach()
+        return LossOutput(total, DepthStats.stack(stats), {"feature_loss": feature_sum, "token_loss": token_sum})
+
+
+class Eagle3Training(nn.Module):
+    """EAGLE-3: three target layers -> fc; soft CE over the draft vocabulary; training-time test unrolls
+    `ttt_steps` steps on the draft's own outputs with weights head_decay**s."""
+
+    def __init__(self, draft: Eagle3Draft, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self._target = _FrozenTarget(target)
+        self.layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
+        self.config = config
+        self.pad = 0
+
+    @property
+    def heads(self) -> HeadsModule:
+        return self.draft
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        config, frozen = self.config, self._target.modules
+        *three, last = target_hidden_states(self._target.model, batch, self.layers)
+        dtype = self.draft.fc.weight.dtype
+        with torch.no_grad():
+            target_logits = apply_head(frozen.lm_head, last)
+        first = self.draft.project(torch.cat(three, dim=-1).to(dtype))
+        steps = config.ttt_steps if train else config.eval_depth
+        outputs = unroll_draft(self.draft, first, batch["input_ids"], steps, self.pad, frozen.embed_tokens)
+        draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
+        draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
+        total = first.new_zeros((), dtype=torch.float32)
+        stats = []
+        for step, (predicted, weight) in enumerate(zip(outputs, depth_weights(steps, config.head_decay),
+                                                       strict=True)):
+            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted), target_logits, batch["input_ids"],
+                                          batch["loss_mask"], draft_to_target, self.draft.t2d, step,
+                                          config.eval_top_k)
+            total = total + weight * loss
+            stats.append((loss, *hits))
+        return LossOutput(total, DepthStats.stack(stats), {})
+
+
+class MTPTraining(nn.Module):
+    """MTP: depth d reads h_d and token t+d+1, predicts token t+d+2 through the shared LM head; CE per depth."""
+
+    def __init__(self, heads: MTPHeads, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.mtp = heads
+        self._target = _FrozenTarget(target)
+        self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.config = config
+        self.pad = 0
+
+    @property
+    def heads(self) -> HeadsModule:
+        return self.mtp
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        frozen = self._target.modules
+        (hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
+        hidden = hidden.to(self.mtp.layers[0].eh_proj.weight.dtype)
+        input_ids = batch["input_ids"]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        logits = []
+        for depth in range(self.mtp.num_depths):
+            hidden = self.mtp(hidden, shifted_tokens(input_ids, depth + 1, self.pad), depth=depth,
+                              embed_tokens=frozen.embed_tokens, position_ids=positions).hidden_states
+            logits.append(self.mtp.compute_logits(hidden.to(frozen.lm_head.weight.dtype), depth=depth,
+                                                  lm_head=frozen.lm_head))
+        return depth_cross_entropy(logits, input_ids, batch["loss_mask"], self.config.head_decay,
+                                   self.config.eval_top_k)
+
+
+def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
+    """The HeadsConfig of `--method` for this target (ValueError from HeadsConfig names a bad option)."""
+    if config.method in ("eagle", "eagle3") and config.num_layers != 1:
+        raise ValueError(f"--num_layers {config.num_layers}: {config.method} drafts have one decoder layer")
+    options: dict[str, Any] = {"base_model_revision": config.model_revision, "training_data": config.dataset}
+    if config.method in ("medusa", "medusa2"):
+        kind = "medusa"
+        options.update(medusa_num_heads=config.num_heads, medusa_num_layers=config.num_layers)
+    elif config.method == "eagle3":
+        kind = "eagle3"
+        options["draft_vocab_size"] = config.draft_vocab_size
+        layers = eagle3_layers(config)
+        if layers is not None:
+            options["target_layers"] = list(layers)
+    elif config.method == "mtp":
+        kind = "mtp"
+        options["mtp_num_depths"] = config.num_heads
+    else:
+        kind = "eagle"
+    try:
+        return HeadsConfig.for_target(kind, target, base_model_name_or_path=config.model, **options)
+    except ValueError as err:
+        raise ValueError(f"heads config for --method {config.method} does not fit target {config.model}: "
+                         f"{err}") from err
+
+
+def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Callable[[], Iterable[list[int]]]
+                  ) -> HeadsModule:
+    """Fresh heads (seeded) or, with --init_heads, saved ones checked against the target.
+
+    Medusa projections start as copies of the target's LM head; EAGLE-3's draft vocabulary is the
+    draft_vocab_size most frequent assistant tokens of the training split (`assistant_tokens()`).
+    """
+    if config.init_heads:
+        heads = load_heads(config.init_heads, target=target, target_name=config.model)
+        expected = "medusa" if config.method == "medusa2" else config.method
+        if heads.config.kind != expected:
+            raise ValueError(f"--init_heads {config.init_heads}: holds {heads.config.kind!r} heads, "
+                             f"--method {config.method} trains {expected!r}")
+        return heads.float().train()
+    torch.manual_seed(config.seed)
+    heads = build_heads(heads_config(config, target))
+    if isinstance(heads, MedusaHeads):
+        heads.init_from_lm_head(target_modules(target).lm_head.weight.detach().float())
+    if isinstance(heads, Eagle3Draft):
+        counts = count_tokens(assistant_tokens(), heads.config.vocab_size)
+        heads.set_vocab_mapping(*build_vocab_mapping(counts, heads.config.draft_vocab_size))
+    return heads.train()
+
+
+def lora_target(target: nn.Module, config: TrainConfig) -> nn.Module:
+    """Wrap the target with LoRA adapters (peft); only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = config.lora_target_modules
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=modules if modules == "all-linear" else modules.split(","),
+                      task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(target, lora)
+    except ValueError as err:
+        raise ValueError(f"--lora_target_modules {modules!r}: {err}") from err
+
+
+def build_training_module(config: TrainConfig, target: nn.Module,
+                          assistant_tokens: Callable[[], Iterable[list[int]]]) -> nn.Module:
+    """The nn.Module to `accelerator.prepare` for --method; its `.heads` is what gets saved."""
+    target.requires_grad_(False)
+    heads = initial_heads(config, target, assistant_tokens).to(target.device)
+    if config.method == "medusa":
+        return MedusaTraining(heads, target, config)
+    if config.method == "medusa2":
+        return Medusa2Training(heads, lora_target(target, config), config)
+    if config.method == "eagle":
+        return EagleTraining(heads, target, config)
+    if config.method == "eagle3":
+        return Eagle3Training(heads, target, config)
+    return MTPTraining(heads, target, config)

@@ -1,0 +1,225 @@
+"""Train draft heads (Medusa-1/2, EAGLE-1/2, EAGLE-3, MTP) for a target model on its distilled data.
+
+    accelerate launch training/train_heads.py --config configs/medusa_smollm2.yaml [--flag value ...]
+    python training/train_heads.py --config configs/eagle3_smollm2.yaml --max_steps 50
+
+Reads top to bottom in the order things happen: config -> accelerator -> refuse incompatible resumes ->
+target + data -> heads -> optimizer -> (resume) -> loop (step, log, evaluate, checkpoint) -> heads directory
+with the measured per-depth accuracy and expected acceptance length in its model card -> optional Hub push.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `accelerate launch training/train_heads.py` puts training/ first on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from heads.checkpoint import push_directory
+from heads.loading import load_model, parse_dtype
+from training.batching import Collator, IndexedRows, split_rows
+from training.checkpoints import (
+    TrainerState,
+    check_compatible,
+    finalize_checkpoint,
+    read_state,
+    resolve_resume,
+    temporary_checkpoint_path,
+)
+from training.config import TrainConfig, parse_config, save_config
+from training.data_source import TrainingData, load_training_data
+from training.evaluation import depth_metrics, per_depth
+from training.loop import (
+    NonFiniteLossError,
+    cosine_with_warmup,
+    evaluate,
+    micro_batches,
+    shard_rows,
+    total_steps,
+    train_step,
+)
+from training.methods import build_training_module
+
+
+def make_accelerator(config: TrainConfig) -> Accelerator:
+    """Accelerator with manual-but-standard accumulation (one group = gradient_accumulation_steps
+    micro-batches, never cut at epoch ends) and a seeded sampler (same data order on resume)."""
+    return Accelerator(
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_dir=config.output_dir,
+    )
+
+
+def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, pad_token_id: int
+            ) -> tuple[DataLoader, DataLoader]:
+    """(training loader, to be prepared; this process's equal-size evaluation shard loader)."""
+    train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
+    global_batch = config.per_device_batch_size * accelerator.num_processes
+    if len(train_rows) < global_batch:
+        raise ValueError(f"--dataset {config.dataset}: {len(train_rows)} training rows, fewer than one global "
+                         f"batch ({config.per_device_batch_size} x {accelerator.num_processes} processes)")
+    collate = Collator(pad_token_id, config.max_length)
+    train = DataLoader(IndexedRows(data.rows, train_rows, data.features), batch_size=config.per_device_batch_size,
+                       shuffle=True, drop_last=True, collate_fn=collate, num_workers=config.dataloader_num_workers)
+    shard = shard_rows(eval_rows, accelerator.process_index, accelerator.num_processes)
+    held_out = DataLoader(IndexedRows(data.rows, shard, data.features, filler=eval_rows[0]),
+                          batch_size=config.per_device_batch_size, collate_fn=collate)
+    return train, held_out
+
+
+def heads_metrics(eval_metrics: dict[str, float], config: TrainConfig, step: int) -> dict[str, Any]:
+    """What goes into the heads' config.json/model card: per-depth accuracy and expected acceptance length."""
+    return {
+        "top1_accuracy_per_depth": [round(v, 4) for v in per_depth(eval_metrics, "top1")],
+        f"top{config.eval_top_k}_accuracy_per_depth": [round(v, 4)
+                                                      for v in per_depth(eval_metrics, f"top{config.eval_top_k}")],
+        "expected_acceptance_length": round(eval_metrics["eval/acceptance_length"], 4),
+        "eval_tokens": int(eval_metrics["eval/tokens"]),
+        "training_method": config.method,
+        "training_steps": step,
+    }
+
+
+def log_line(config: TrainConfig, record: dict[str, Any]) -> None:
+    """Append one JSON line to <output_dir>/metrics.jsonl (main process)."""
+    with open(Path(config.output_dir) / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(accelerator: Accelerator, config: TrainConfig, state: TrainerState) -> None:
+    tmp = temporary_checkpoint_path(config.output_dir, state.step)
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        path = finalize_checkpoint(tmp, config, state, config.save_total_limit)
+        accelerator.print(f"saved checkpoint {path} (step {state.step})")
+    accelerator.wait_for_everyone()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    # 1. Configuration and processes. Nothing is written before the compatibility checks pass.
+    config = parse_config(argv)
+    torch.set_num_threads(config.num_threads or 1)
+    accelerator = make_accelerator(config)
+    checkpoint = resolve_resume(config)
+    check_compatible(config, checkpoint)
+    dtype = parse_dtype(config.target_dtype)
+    if dtype != torch.float32 and accelerator.mixed_precision == "no":
+        raise ValueError(f"--target_dtype {config.target_dtype}: heads train in float32, so a reduced-precision "
+                         "target needs --mixed_precision bf16/fp16 (autocast)")
+
+    # 2. Target, data, heads.
+    target = load_model(config.model, dtype=dtype, attn_implementation=config.attn_implementation,
+                        device=accelerator.device, revision=config.model_revision)
+    data = load_training_data(config, target)
+    train_loader, eval_loader = loaders(config, data, accelerator, data.pad_token_id)
+    module = build_training_module(config, target, data.assistant_tokens)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.weight_decay)
+    steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
+                        config.gradient_accumulation_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: cosine_with_warmup(s, config.warmup_steps, steps, config.min_lr_ratio))
+    module, optimizer, train_loader = accelerator.prepare(module, optimizer, train_loader)
+    accelerator.register_for_checkpointing(scheduler)
+
+    # 3. Resume: weights, optimizer, scheduler, RNG states; then the exact data position.
+    state = TrainerState(step=0, epoch=0, batch=0, samples=0)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        state = read_state(checkpoint)
+        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
+    if accelerator.is_main_process:
+        save_config(config, config.output_dir)
+    if config.report_to != "none":
+        accelerator.init_trackers(config.project_name, config=dataclasses.asdict(config),
+                                  init_kwargs={"wandb": {"name": config.run_name or Path(config.output_dir).name,
+                                                         "dir": config.output_dir}})
+
+    # 4. The loop.
+    batches = micro_batches(accelerator, train_loader, state.epoch, state.batch)
+    global_batch = config.per_device_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    progress = tqdm(total=steps, initial=state.step, disable=not (accelerator.is_main_process and config.progress_bar),
+                    desc=config.method, dynamic_ncols=True)
+    eval_metrics: dict[str, float] = {}
+    started, started_step = time.perf_counter(), state.step
+    module.train()
+    while state.step < steps:
+        micro = [next(batches) for _ in range(config.gradient_accumulation_steps)]
+        result = train_step(accelerator, module, optimizer, micro, state.step, config.max_grad_norm, config.seed)
+        scheduler.step()
+        state = TrainerState(step=state.step + 1, epoch=micro[-1].epoch, batch=micro[-1].index + 1,
+                             samples=state.samples + global_batch)
+        rate = (state.step - started_step) * global_batch / (time.perf_counter() - started)
+        train = depth_metrics(result.stats, config.eval_top_k, prefix="train")
+        progress.update(1)
+        progress.set_postfix(loss=f"{result.loss:.4f}", top1=f"{train['train/top1_d0']:.3f}",
+                             samples_s=f"{rate:.2f}")
+        if config.eval_steps and state.step % config.eval_steps == 0 and state.step < steps:
+            eval_metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
+        if state.step == 1 or state.step == steps or state.step % max(config.logging_steps, 1) == 0 or \
+                (config.eval_steps and state.step % config.eval_steps == 0):
+            record = {"step": state.step, "epoch": state.epoch, "loss": result.loss,
+                      "lr": scheduler.get_last_lr()[0], "samples_per_second": rate, "labels": result.labels,
+                      **{f"train/{k}": v for k, v in result.extra.items()}, **train}
+            if result.grad_norm is not None:
+                record["grad_norm"] = result.grad_norm
+            if config.eval_steps and state.step % config.eval_steps == 0 and state.step < steps:
+                record.update(eval_metrics)
+            accelerator.log(record, step=state.step)
+            if accelerator.is_main_process:
+                log_line(config, record)
+        if config.save_steps and (state.step % config.save_steps == 0 or state.step == steps):
+            save_checkpoint(accelerator, config, state)
+    progress.close()
+
+    # 5. Final evaluation, heads directory (+ adapter / merged target for Medusa-2), Hub.
+    eval_metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
+    final = {"step": state.step, **eval_metrics}
+    accelerator.log(final, step=state.step)
+    heads_dir = Path(config.heads_dir or Path(config.output_dir) / "heads")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        log_line(config, final)
+        unwrapped = accelerator.unwrap_model(module)
+        heads = unwrapped.heads
+        heads.config.metrics = heads_metrics(eval_metrics, config, state.step)
+        heads.save_pretrained(heads_dir)
+        if config.method == "medusa2":
+            unwrapped.target.save_pretrained(heads_dir / "adapter")
+            if config.save_merged:
+                merged = unwrapped.target.merge_and_unload()
+                merged.save_pretrained(Path(config.output_dir) / "merged")
+        accelerator.print(f"heads saved to {heads_dir}: top-1 per depth "
+                          f"{heads.config.metrics['top1_accuracy_per_depth']}, expected acceptance length "
+                          f"{heads.config.metrics['expected_acceptance_length']}")
+        if config.push_to_hub:
+            url = push_directory(heads_dir, config.push_to_hub, private=config.hub_private)
+            accelerator.print(f"pushed {heads_dir} to {url}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, NonFiniteLossError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
