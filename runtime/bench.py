@@ -15,7 +15,8 @@ The JSON (written atomically) holds per-prompt and overall tau (mean accepted le
 included), tokens/s of every runner, speed-ups (median over prompts and total tokens / total time),
 acceptance per draft depth, draft / verify / prefill time shares and `greedy_identical` (the method's tokens
 equal `model.generate(do_sample=False)` token for token; null when sampling). Timings are wall clock on a
-possibly shared machine: compare ratios measured in the same run, not absolute numbers across runs.
+possibly shared machine: compare ratios measured in the same run, not absolute numbers across runs
+(`--repeats R` runs every runner R times per prompt, interleaved, and keeps the fastest run of each).
 `--config bench.yaml` gives defaults (keys = flag names), flags override it.
 """
 
@@ -56,6 +57,9 @@ class BenchArguments:
     compare_hf: bool = field(default=False, metadata={
         "help": "also run transformers' own assisted generation (assistant_model= / prompt_lookup_num_tokens=)"})
     warmup_tokens: int = field(default=16, metadata={"help": "new tokens of the untimed warm-up run of each runner"})
+    repeats: int = field(default=1, metadata={
+        "help": "run every runner this many times per prompt (interleaved) and keep the fastest run of each: "
+                "robust to a noisy shared machine"})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of defaults (keys = flag names of this command); flags given on the command line win"})
 
@@ -85,6 +89,8 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
         raise ValueError("--prompt is a flag of runtime.generate; runtime.bench reads --prompts FILE")
     if bench_args.max_prompts < 1:
         raise ValueError(f"--max_prompts must be >= 1, got {bench_args.max_prompts}")
+    if bench_args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {bench_args.repeats}")
     if bench_args.warmup_tokens < 0:
         raise ValueError(f"--warmup_tokens must be >= 0, got {bench_args.warmup_tokens}")
     if gen_args.attn_implementation not in SUPPORTED_ATTENTION:
@@ -372,6 +378,9 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     records, method_stats = [], []
     for i, ids in enumerate(encoded):
         runs = run_all(ids, config)
+        for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
+            again = run_all(ids, config)
+            runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
         records.append(prompt_record(i, ids.numel(), runs, greedy))
         method_stats.append(runs["method"].stats)
         r = records[-1]

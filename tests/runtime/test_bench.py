@@ -44,7 +44,7 @@ def test_prompt_lookup_bench_writes_json_and_is_greedy_identical(tmp_path, capsy
 def test_draft_model_bench_with_the_target_as_its_own_draft(tmp_path):
     """Self-drafting accepts every greedy draft token: tau = k + 1 except where max_new_tokens cuts the draft."""
     _, written = _bench(tmp_path, "--method", "draft_model", "--draft_model", str(STORIES260K),
-                        "--num_speculative_tokens", "3", "--compare_hf")
+                        "--num_speculative_tokens", "3", "--compare_hf", "--repeats", "2")
     overall = written["overall"]
     assert overall["greedy_identical"] is True and overall["hf_assisted"]["greedy_identical"] is True
     assert overall["acceptance_per_depth"] == [1.0, 1.0, 1.0]
@@ -68,5 +68,7 @@ def test_config_yaml_gives_defaults_and_rejects_unknown_keys(tmp_path):
         parse_arguments(["--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(ValueError, match="--prompts FILE"):
         parse_arguments(["--prompt", "hello"])
+    with pytest.raises(ValueError, match="--repeats"):
+        parse_arguments(["--repeats", "0"])
     with pytest.raises(ValueError, match="--method"):
         parse_arguments(["--method", "medusa"])
