@@ -25,7 +25,6 @@ download; timing does not depend on the weights):
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 from heads.loading import cache_dir
-from runtime.masks import tree_attention_mask
+from runtime.target import TargetModel
 from runtime.tree import Tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -106,37 +105,24 @@ def _measurement_tree(num_tokens: int) -> Tree:
     return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, num_tokens)])
 
 
-def hf_verify_forward(model, kv_length: int, seed: int = 0) -> Callable[[int], None]:
-    """A `run_forward(q)` doing one tree verify forward of q tokens after a `kv_length`-token prefix.
+def target_verify_forward(target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...] = (),
+                          seed: int = 0) -> Callable[[int], None]:
+    """A `run_forward(q)` doing one verify forward of q tree tokens through the runtime's target adapter.
 
-    The prefix is prefilled once into a DynamicCache; each call appends q tree tokens with the project's
-    tree mask and positions (prefix_len + depth), computes logits at every tree position (what verification
-    needs) and crops the cache back. This is the target forward the runtime's verify performs.
+    A random `kv_length`-token prefix is prefilled once; each call forwards q tree nodes (tree mask, positions
+    prefix_len + depth, logits at every node, the requested hidden states) exactly as the decode loop's
+    verify does, then drops them again (`commit([])`).
     """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        if kv_length > 0:
-            prefix = torch.randint(vocab, (1, kv_length), generator=gen).to(device)
-            model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    target.prefill(torch.randint(target.vocab_size, (max(kv_length, 1),), generator=gen))
+    trees: dict[int, tuple[torch.Tensor, Tree]] = {}
 
     def run(q: int) -> None:
         if q not in trees:
-            tree = _measurement_tree(q)
-            ids = torch.randint(vocab, (1, q), generator=gen).to(device)
-            mask = tree_attention_mask(tree, kv_length, model.dtype).to(device)
-            pos = (kv_length + tree.depth)[None].to(device)
-            trees[q] = (ids, mask, pos)
-        ids, mask, pos = trees[q]
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
-        cache.crop(-q)
+            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), _measurement_tree(q))
+        tokens, tree = trees[q]
+        target.forward(tokens, tree, hidden_state_indices=hidden_state_indices)
+        target.commit([])
 
     return run
 
@@ -180,13 +166,15 @@ def load_curve(path: str | Path) -> CostCurve:
         raise ValueError(f"cost curve file {path}: unexpected content ({err})") from err
 
 
-def verify_cost_curve(model, kv_length: int = 256, max_tokens: int = 64, repeats: int = 5,
+def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int = 64, repeats: int = 5,
                       use_cache: bool = True, run_forward: Callable[[int], None] | None = None) -> CostCurve:
-    """The verify cost curve of `model` on its device, from the on-disk cache or measured (then cached).
+    """The verify cost curve of `target` on its device, from the on-disk cache or measured (then cached).
 
     max_tokens: largest verify size measured (root + tree nodes); sizes are DEFAULT_SIZES up to it.
-    run_forward: how to run a q-token verify (default: `hf_verify_forward(model, kv_length)`).
+    run_forward: how to run a q-token verify (default: `target_verify_forward(target, kv_length)`; it
+    leaves the target's cache holding the random prefix, so measure before generating, not during).
     """
+    model = target.model
     device = next(model.parameters()).device
     meta = dict(model=model_fingerprint(model), device=device_name(device),
                 dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length)
@@ -199,7 +187,7 @@ def verify_cost_curve(model, kv_length: int = 256, max_tokens: int = 64, repeats
     if not tokens or tokens[-1] != max_tokens:
         tokens.append(max_tokens)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    run = run_forward or hf_verify_forward(model, kv_length)
+    run = run_forward or target_verify_forward(target, kv_length)
     curve = CostCurve(tokens=tokens, seconds=measure_curve(run, tokens, repeats=repeats, synchronize=sync), **meta)
     if use_cache:
         save_curve(curve, path)
@@ -315,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = parse_dtype(args.dtype)
     model = random_llama3_8b(args.device, dtype) if args.random_llama3_8b else \
         load_model(args.model, dtype=dtype, device=args.device)
-    curve = verify_cost_curve(model, args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
+    curve = verify_cost_curve(TargetModel(model), args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
     result: dict = {"curve": asdict(curve), "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
     for q, s, r in zip(curve.tokens, curve.seconds, result["relative"], strict=True):

@@ -8,11 +8,12 @@ from runtime.cost_model import (
     CostCurve,
     chain_expected_tau,
     choose_tree_size,
-    hf_verify_forward,
     load_curve,
     measure_curve,
+    target_verify_forward,
     verify_cost_curve,
 )
+from runtime.target import TargetModel
 from runtime.tree_search import expected_accepted_lengths
 from tests.tiny_models import tiny_model
 
@@ -51,7 +52,7 @@ def test_chain_expected_tau():
 
 def test_measure_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
-    model = tiny_model("llama")
+    model = TargetModel(tiny_model("llama"))
     curve = verify_cost_curve(model, kv_length=16, max_tokens=6, repeats=2)
     assert curve.tokens == [1, 2, 3, 4, 6] and all(s > 0 for s in curve.seconds)
     files = list((tmp_path / "cost_curves").glob("*.json"))
@@ -63,9 +64,10 @@ def test_measure_and_cache(tmp_path, monkeypatch):
     assert verify_cost_curve(model, kv_length=16, max_tokens=6, run_forward=must_not_run) == curve
 
 
-def test_hf_verify_forward_restores_cache_length():
-    model = tiny_model("qwen3")
-    run = hf_verify_forward(model, kv_length=8)
+def test_verify_forward_restores_cache_length():
+    target = TargetModel(tiny_model("qwen3"))
+    run = target_verify_forward(target, kv_length=8)
     calls = []
     timings = measure_curve(lambda q: (calls.append(q), run(q)), [1, 5], repeats=2, warmup=1)
     assert len(timings) == 2 and calls == [1, 5, 1, 5, 1, 5]
+    assert target.cache.get_seq_length() == 8 and target.prefix_len == 8
