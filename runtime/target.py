@@ -100,10 +100,9 @@ class TargetModel:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        """EOS ids from the model's generation config (an int or a list there), () if none."""
+        """EOS ids from the model's generation config (an int or a list there, as `model.generate` reads
+        them), () if none."""
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.config, "eos_token_id", None)
         if eos is None:
             return ()
         return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))

@@ -1,0 +1,75 @@
+"""The target adapter: bad input gets a clear error naming the argument, hidden states, context limits."""
+
+import pytest
+import torch
+
+from runtime.target import TargetModel, attention_windows
+from runtime.tree import Tree
+from tests.tiny_models import tiny_config, tiny_model
+
+
+def test_empty_prompt():
+    with pytest.raises(ValueError, match="prompt: empty"):
+        TargetModel(tiny_model("llama")).prefill(torch.tensor([], dtype=torch.long))
+
+
+def test_prompt_longer_than_context_names_length_and_limit():
+    target = TargetModel(tiny_model("llama", max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"prompt: 33 tokens .*32 positions"):
+        target.prefill(torch.randint(3, 256, (33,)))
+    target.prefill(torch.randint(3, 256, (32,)))  # exactly the context is fine
+
+
+def test_gpt2_context_uses_n_positions():
+    assert TargetModel(tiny_model("gpt2", n_positions=64)).max_positions == 64
+
+
+@pytest.mark.parametrize("backend", ["flex_attention"])
+def test_attention_backend_that_ignores_custom_masks_is_refused(backend):
+    with pytest.raises(ValueError, match="--attn_implementation flex_attention: an attention backend that ignores"):
+        TargetModel(tiny_model("llama", attn=backend))
+
+
+def test_flash_attention_flag_is_refused_by_the_cli():
+    from runtime.generate import main
+    with pytest.raises(ValueError, match="--attn_implementation flash_attention_2"):
+        main(["--model", "unused", "--attn_implementation", "flash_attention_2"])
+
+
+def test_unsupported_layer_type_is_refused():
+    config = tiny_config("qwen2")
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        attention_windows(config)
+
+
+def test_forward_checks():
+    target = TargetModel(tiny_model("llama"))
+    with pytest.raises(ValueError, match="prefill"):
+        target.forward(torch.tensor([5]), Tree.chain(0))
+    target.prefill(torch.randint(3, 256, (5,)))
+    with pytest.raises(ValueError, match="tokens: expected shape"):
+        target.forward(torch.tensor([5, 6]), Tree.chain(2))
+    with pytest.raises(ValueError, match="hidden_state_indices"):
+        target.forward(torch.tensor([5]), Tree.chain(0), hidden_state_indices=(7,))
+
+
+def test_prefill_hidden_states_and_positions_past_context():
+    model = tiny_model("qwen3", max_position_embeddings=16)
+    target = TargetModel(model)
+    prompt = torch.randint(3, 256, (10,))
+    out = target.prefill(prompt, hidden_state_indices=(0, 2, -1))
+    assert out.logits.shape == (1, 256) and set(out.hidden) == {0, 2, -1}
+    assert all(h.shape == (10, 64) for h in out.hidden.values())
+    with torch.no_grad():
+        ref = model(prompt[None], output_hidden_states=True)
+    torch.testing.assert_close(out.logits[0], ref.logits[0, -1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.hidden[2], ref.hidden_states[2][0], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="beyond the context"):
+        target.forward(torch.randint(3, 256, (7,)), Tree.chain(6))  # positions 10..16
+
+
+def test_eos_ids_from_generation_config():
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = [2, 7]
+    assert TargetModel(model).eos_token_ids() == (2, 7)
