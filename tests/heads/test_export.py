@@ -1,0 +1,207 @@
+"""Exports pass independent engine checkers, and the checkers catch planted mistakes; imports round-trip."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads import HeadsConfig, build_heads, load_heads
+from heads.convert import import_checkpoint
+from heads.convert import main as convert_main
+from heads.export import export_heads, plan_export
+from heads.export import main as export_main
+from tests.heads.engine_checkers import check_eagle, check_eagle3, check_tgi_medusa, check_vllm_medusa
+from tests.heads.helpers import TARGET_NAME, head_outputs, random_heads, tiny_target
+from tests.tiny_models import STORIES260K
+
+H, V, L = 64, 256, 2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def saved(target, tmp_path_factory):
+    out = {}
+    for variant in ("medusa", "medusa_shared", "eagle", "eagle3", "mtp"):
+        path = tmp_path_factory.mktemp(variant) / "h"
+        random_heads(variant, target).save_pretrained(path)
+        out[variant] = path
+    return out
+
+
+def _check(engine, kind, path):
+    if kind == "medusa":
+        return check_tgi_medusa(path, H, V) if engine == "tgi" else check_vllm_medusa(path, H, V)
+    if kind == "eagle3":
+        return check_eagle3(path, H, V, L, engine)
+    return check_eagle(path, H, V, engine)
+
+
+CASES = [("medusa", "tgi"), ("medusa", "vllm"), ("eagle", "eagle"), ("eagle", "sglang"),
+         ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "eagle")]
+
+
+@pytest.mark.parametrize("kind, engine", CASES)
+def test_export_passes_engine_checker(saved, tmp_path, kind, engine):
+    out = export_heads(saved[kind], engine, tmp_path / "out")
+    assert _check(engine, kind, out) == []
+    assert (out / "README.md").is_file()
+
+
+def _plant(path, edit_tensors=None, edit_config=None, weights="model.safetensors"):
+    if edit_tensors:
+        tensors = load_file(str(path / weights))
+        edit_tensors(tensors)
+        save_file(tensors, str(path / weights))
+    if edit_config:
+        config = json.loads((path / "config.json").read_text())
+        edit_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+
+
+PLANTED = {
+    "eagle3 missing d2t": ("eagle3", "vllm", lambda t: t.pop("d2t"), None, "d2t missing"),
+    "eagle3 bias on fc": ("eagle3", "sglang", lambda t: t.update({"fc.bias": torch.zeros(H)}), None, "fc.bias"),
+    "eagle3 wrong fc width": ("eagle3", "vllm", lambda t: t.update({"fc.weight": torch.zeros(H, 2 * H)}), None,
+                              r"fc.weight: shape \[64, 128\] != \[64, 192\]"),
+    "eagle3 d2t outside vocab": ("eagle3", "vllm", lambda t: t["d2t"].__setitem__(-1, 500), None, "outside"),
+    "eagle3 t2d inconsistent": ("eagle3", "sglang", lambda t: t["t2d"].__setitem__(slice(None), False), None,
+                                "t2d inconsistent"),
+    "eagle3 embedding shipped": ("eagle3", "vllm", lambda t: t.update({"embed_tokens.weight": torch.zeros(V, H)}),
+                                 None, "embed_tokens"),
+    "eagle3 tied embeddings": ("eagle3", "sglang", None, lambda c: c.update(tie_word_embeddings=True),
+                               "tie_word_embeddings"),
+    "eagle3 wrong architecture": ("eagle3", "vllm", None, lambda c: c.update(architectures=["LlamaForCausalLM"]),
+                                  "LlamaForCausalLMEagle3"),
+    "eagle3 sglang ids disagree": ("eagle3", "sglang", None,
+                                   lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 1, 1]),
+                                   "disagree"),
+    "medusa vllm bias present without medusa_fc_bias": ("medusa", "vllm", None,
+                                                        lambda c: c.update(medusa_fc_bias=False), "would drop"),
+    "medusa vllm missing lm_heads": ("medusa", "vllm", lambda t: t.pop("lm_heads.1.weight"), None,
+                                     "missing tensor lm_heads.1.weight"),
+    "medusa tgi missing bias": ("medusa", "tgi", lambda t: t.pop("0.1.linear.bias"), None, "0.1.linear.bias"),
+    "medusa tgi wrong vocab": ("medusa", "tgi", lambda t: t.update({"2.2.weight": torch.zeros(100, H)}), None,
+                               r"2.2.weight: shape"),
+    "medusa tgi missing config key": ("medusa", "tgi", None, lambda c: c.pop("medusa_num_layers"),
+                                      "medusa_num_layers"),
+    "eagle vllm bias present": ("eagle", "vllm", lambda t: t.update({"fc.bias": torch.zeros(H)}), None, "fc.bias"),
+    "eagle sglang bias missing": ("eagle", "sglang", lambda t: t.pop("fc.bias"), None, "missing tensor fc.bias"),
+    "eagle input norm present": ("eagle", "eagle",
+                                 lambda t: t.update({"layers.0.input_layernorm.weight": torch.ones(H)}), None,
+                                 "input_layernorm"),
+    "eagle wrong fc width": ("eagle", "sglang", lambda t: t.update({"fc.weight": torch.zeros(H, 3 * H)}), None,
+                             r"fc.weight: shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_checkers_fail_on_planted_mistakes(saved, tmp_path, name):
+    kind, engine, edit_tensors, edit_config, expected = PLANTED[name]
+    if engine == "vllm" and kind == "eagle":
+        src = tmp_path / "nobias"
+        heads = load_heads(saved["eagle"])
+        heads.config.eagle_fc_bias = False
+        clean = build_heads(heads.config)
+        clean.load_state_dict({k: v for k, v in heads.state_dict().items() if k != "fc.bias"})
+        clean.save_pretrained(src)
+    else:
+        src = saved[kind]
+    out = export_heads(src, engine, tmp_path / "out")
+    assert _check(engine, kind, out) == []
+    weights = "medusa_lm_head.safetensors" if (kind, engine) == ("medusa", "tgi") else "model.safetensors"
+    _plant(out, edit_tensors, edit_config, weights)
+    problems = _check(engine, kind, out)
+    assert problems, f"checker accepted planted mistake {name!r}"
+    import re
+    assert any(re.search(expected, p) for p in problems), problems
+
+
+def test_unsupported_exports_are_refused(saved, tmp_path):
+    with pytest.raises(ValueError, match="no vllm layout for kind 'mtp'"):
+        export_heads(saved["mtp"], "vllm", tmp_path / "a")
+    with pytest.raises(ValueError, match="no sglang layout for kind 'medusa'"):
+        export_heads(saved["medusa"], "sglang", tmp_path / "b")
+    with pytest.raises(ValueError, match="--to: expected one of"):
+        export_heads(saved["eagle3"], "trt", tmp_path / "c")
+    with pytest.raises(ValueError, match="--target"):
+        export_heads(saved["medusa_shared"], "tgi", tmp_path / "d")
+    heads = load_heads(saved["eagle"])  # fc.bias non-zero
+    with pytest.raises(ValueError, match="vLLM's EAGLE-1/2 loader builds fc without a bias"):
+        plan_export(heads, "vllm")
+
+
+def test_shared_lm_head_medusa_export_copies_target_head(tmp_path):
+    from heads.loading import load_model
+    model = load_model(str(STORIES260K))
+    config = HeadsConfig.for_target("medusa", model.config, str(STORIES260K), medusa_num_heads=2,
+                                    medusa_shared_lm_head=True)
+    heads = build_heads(config)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    heads.save_pretrained(tmp_path / "h")
+    export_main(["--heads", str(tmp_path / "h"), "--to", "tgi", "--output_dir", str(tmp_path / "tgi"),
+                 "--target", str(STORIES260K)])
+    assert check_tgi_medusa(tmp_path / "tgi", 64, 512) == []
+    exported = load_heads(tmp_path / "tgi", target=model)  # our loader reads the TGI layout back
+    hidden = torch.randn(1, 3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(hidden), heads(hidden, lm_head=model.lm_head))
+
+
+@pytest.mark.parametrize("kind, engine", [("medusa", "vllm"), ("medusa", "tgi"), ("eagle", "sglang"),
+                                          ("eagle3", "sglang")])
+def test_import_public_layouts_round_trip(saved, target, tmp_path, kind, engine):
+    """A directory in an engine's layout without our 'specheads' section imports to the same head."""
+    out = export_heads(saved[kind], engine, tmp_path / "public")
+    config = json.loads((out / "config.json").read_text())
+    config.pop("specheads", None)
+    if kind == "eagle3":  # a public EAGLE-3 checkpoint that only carries SGLang's ids
+        config.pop("eagle_aux_hidden_state_layer_ids")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="heads.convert"):
+        load_heads(out)
+    imported = import_checkpoint(out, target.config, TARGET_NAME)
+    original = load_heads(saved[kind])
+    assert imported.config.target_layers == original.config.target_layers
+    for a, b in zip(head_outputs(original, target), head_outputs(imported, target), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_convert_cli_pytorch_bin_and_embedding_dropped(saved, target, tmp_path):
+    """EAGLE reference checkpoints are often pytorch_model.bin with an embed_tokens copy; both handled."""
+    out = export_heads(saved["eagle"], "eagle", tmp_path / "ref")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.zeros(V, H)
+    (out / "model.safetensors").unlink()
+    torch.save(tensors, out / "pytorch_model.bin")
+    config = json.loads((out / "config.json").read_text())
+    config.pop("specheads")
+    (out / "config.json").write_text(json.dumps(config))
+    target.save_pretrained(tmp_path / "target")
+    convert_main(["--source", str(out), "--base_model", str(tmp_path / "target"), "--output_dir",
+                  str(tmp_path / "ours")])
+    imported = load_heads(tmp_path / "ours", target=target, target_name=str(tmp_path / "target"))
+    original = load_heads(saved["eagle"])
+    for a, b in zip(head_outputs(original, target), head_outputs(imported, target), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_import_refuses_unknown_and_truncated(tmp_path, target):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text("{}")
+    save_file({"foo": torch.zeros(2)}, str(tmp_path / "x" / "model.safetensors"))
+    with pytest.raises(ValueError, match="unrecognised checkpoint"):
+        import_checkpoint(tmp_path / "x", target.config, "m")
+    shutil.rmtree(tmp_path / "x")
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    (tmp_path / "x" / "medusa_lm_head.safetensors").write_bytes(b"\x10\x00\x00")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        import_checkpoint(tmp_path / "x", target.config, "m")
