@@ -65,15 +65,14 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
     )
 
 
-def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, pad_token_id: int
-            ) -> tuple[DataLoader, DataLoader]:
+def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, train_rows: list[int],
+            eval_rows: list[int]) -> tuple[DataLoader, DataLoader]:
     """(training loader, to be prepared; this process's equal-size evaluation shard loader)."""
-    train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
     global_batch = config.per_device_batch_size * accelerator.num_processes
     if len(train_rows) < global_batch:
         raise ValueError(f"--dataset {config.dataset}: {len(train_rows)} training rows, fewer than one global "
                          f"batch ({config.per_device_batch_size} x {accelerator.num_processes} processes)")
-    collate = Collator(pad_token_id, config.max_length)
+    collate = Collator(data.pad_token_id, config.max_length)
     train = DataLoader(IndexedRows(data.rows, train_rows, data.features), batch_size=config.per_device_batch_size,
                        shuffle=True, drop_last=True, collate_fn=collate, num_workers=config.dataloader_num_workers)
     shard = shard_rows(eval_rows, accelerator.process_index, accelerator.num_processes)
@@ -127,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target = load_model(config.model, dtype=dtype, attn_implementation=config.attn_implementation,
                         device=accelerator.device, revision=config.model_revision)
     data = load_training_data(config, target)
-    train_loader, eval_loader = loaders(config, data, accelerator, data.pad_token_id)
-    module = build_training_module(config, target, data.assistant_tokens)
+    train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
+    train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_rows)
+    module = build_training_module(config, target, lambda: data.assistant_tokens(train_rows))
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
