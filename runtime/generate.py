@@ -141,11 +141,12 @@ def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, c
         if stats.new_tokens >= config.max_new_tokens:
             stats.stop_reason = "max_new_tokens"
             break
-        room = None if target.max_positions is None else target.max_positions - committed.numel()
-        if room is not None and room < 0:  # the root would sit past the last position
+        # tree node at depth d sits at position len(committed) - 1 + d, which must be < max_positions
+        room = config.max_new_tokens if target.max_positions is None else target.max_positions - committed.numel()
+        if room < 0:  # the root itself would sit past the last position
             stats.stop_reason = "context"
             break
-        budget = min(length.current, config.max_new_tokens - stats.new_tokens - 1, *([room] if room is not None else []))
+        budget = min(length.current, config.max_new_tokens - stats.new_tokens - 1, room)
 
         # 1. draft: a candidate tree rooted at the last committed token
         t0 = _clock(target.device)
@@ -209,11 +210,10 @@ def encode_prompt(tokenizer, prompt: str) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> GenerationStats:
-    from transformers import HfArgumentParser
-
+    from heads.cli import parse_flags
     from heads.loading import load_model, load_tokenizer
 
-    (args,) = HfArgumentParser(GenerateArguments).parse_args_into_dataclasses(args=argv)
+    args = parse_flags(GenerateArguments, argv)  # `--config file.yaml` gives defaults, flags override
     torch.set_num_threads(args.num_threads)
     if args.attn_implementation not in SUPPORTED_ATTENTION:
         raise ValueError(f"--attn_implementation {args.attn_implementation}: an attention backend that ignores "

@@ -30,16 +30,17 @@ def allowed_keys(tree: Tree, prefix_len: int, window: int | None = None) -> torc
     return allowed
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean [q, kv] -> additive float mask [1, 1, q, kv] in `dtype` (0 allowed, finfo.min masked)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [q, kv] -> additive float mask [1, 1, q, kv] in `dtype` on `device` (0 allowed, finfo.min masked)."""
+    allowed = allowed.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, start: int = 0,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive mask [1, 1, N - start, prefix_len + N] for the query nodes start..N-1 of `tree`.
 
     Nodes 0..start-1 are already in the cache right after the prefix (a tree grown depth by depth).
     """
-    return additive_mask(allowed_keys(tree, prefix_len, window)[start:], dtype)
+    return additive_mask(allowed_keys(tree, prefix_len, window)[start:], dtype, device)

@@ -129,9 +129,9 @@ class TargetModel:
 
     def _mask(self, tree: Tree, start: int) -> torch.Tensor | dict[str, torch.Tensor]:
         if isinstance(self.windows, dict):
-            return {kind: tree_attention_mask(tree, self.prefix_len, self.dtype, start, window).to(self.device)
+            return {kind: tree_attention_mask(tree, self.prefix_len, self.dtype, start, window, self.device)
                     for kind, window in self.windows.items()}
-        return tree_attention_mask(tree, self.prefix_len, self.dtype, start, self.windows).to(self.device)
+        return tree_attention_mask(tree, self.prefix_len, self.dtype, start, self.windows, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, tree: Tree, start: int = 0, hidden_state_indices: tuple[int, ...] = (),

@@ -199,3 +199,13 @@ def test_cli_arguments():
         GenerateArguments(method="medusa").resolved_method()
     with pytest.raises(ValueError, match="--draft_model"):
         GenerateArguments(method="draft_model").resolved_method()
+
+
+def test_cli_config_file(tmp_path, capsys):
+    config = tmp_path / "generate.yaml"
+    config.write_text(f"model: {STORIES260K}\nmax_new_tokens: 5\nmethod: autoregressive\n")
+    stats = main(["--config", str(config), "--prompt", "Once upon a time"])
+    assert stats.new_tokens == 5 and stats.tau == 1.0
+    config.write_text("max_new_token: 5\n")
+    with pytest.raises(ValueError, match="max_new_token"):
+        main(["--config", str(config)])
