@@ -27,7 +27,7 @@ first word, so the answer is rendered as " " + answer and the space token is par
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -120,11 +120,12 @@ def _common_prefix_length(a: str, b: str) -> int:
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, messages: Conversation, text: str,
-                    last_turn_truncated: bool = False) -> list[tuple[int, int]]:
+                    truncated_turns: Collection[int] = ()) -> list[tuple[int, int]]:
     """Character spans [start, end) in `text` (= render(messages)) of what each assistant turn emits.
 
-    With `last_turn_truncated` (the answer hit max_new_tokens) the last span stops before its stop string:
-    the model never emitted the end-of-turn token there and must not learn to.
+    For assistant turns (0-based among assistant messages) in `truncated_turns` (the answer hit
+    max_new_tokens) the span stops before the stop string: the model never emitted the end-of-turn token
+    there and must not learn to.
     """
     spans: list[tuple[int, int]] = []
     assistant_positions = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
@@ -142,20 +143,19 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, message
             raise ValueError(f"chat template does not end assistant turn {number} with an end-of-turn token "
                              f"(one of {list(fmt.stop_strings)}); pass the model's EOS ids as stop tokens")
         index, stop = min(found)
-        last = number == len(assistant_positions) - 1
-        spans.append((start, index if last and last_turn_truncated else index + len(stop)))
+        spans.append((start, index if number in truncated_turns else index + len(stop)))
     return spans
 
 
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, messages: Conversation,
-                          last_turn_truncated: bool = False) -> TokenizedConversation:
+                          truncated_turns: Collection[int] = ()) -> TokenizedConversation:
     """Render `messages` with the chat format and tokenise it with a loss mask on the assistant turns.
 
     Returns input_ids [T] and loss_mask [T] (1 on tokens that start inside an assistant span, see
     `assistant_spans`), the rendered text and the character spans.
     """
     text = render(tokenizer, fmt, messages)
-    spans = assistant_spans(tokenizer, fmt, messages, text, last_turn_truncated)
+    spans = assistant_spans(tokenizer, fmt, messages, text, truncated_turns)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [0] * len(encoded["input_ids"])
     span_index = 0

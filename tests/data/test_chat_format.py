@@ -177,8 +177,10 @@ def test_plain_format_for_model_without_template(stories):
 
 def test_truncated_last_turn_does_not_learn_end_of_turn(smollm2):
     fmt = chat_format(smollm2)
-    tokenized = tokenize_conversation(smollm2, fmt, CONVERSATION, last_turn_truncated=True)
+    tokenized = tokenize_conversation(smollm2, fmt, CONVERSATION, truncated_turns=[1])
     assert masked_runs(smollm2, tokenized) == ["Hello! How can I help?<|im_end|>", "Once upon a time, a cat sat."]
+    tokenized = tokenize_conversation(smollm2, fmt, CONVERSATION, truncated_turns=[0])
+    assert masked_runs(smollm2, tokenized) == ["Hello! How can I help?", "Once upon a time, a cat sat.<|im_end|>"]
 
 
 def test_user_only_conversation_has_empty_mask(smollm2):

@@ -1,0 +1,429 @@
+"""Self-distillation: the target model answers every user turn of every prompt; the result is an Arrow dataset.
+
+    python -m data.distill --model ../shared/models/smollm2-135m-instruct \\
+        --prompts ../shared/data/sharegpt_sample.jsonl --output_dir outputs/distill/smollm2 \\
+        --max_new_tokens 256 --batch_size 8
+    accelerate launch --num_processes 2 -m data.distill --config configs/distill_smollm2.yaml
+
+What it does, in order:
+1. read the prompts (`data.prompts.read_conversations`); keep system and user messages, drop given answers;
+2. split them into shards of `--shard_size` consecutive conversations; under `accelerate launch` process r
+   takes shards r, r + N, ...; shards already on disk are skipped (resume);
+3. per shard: the target answers turn 1 of every conversation, then turn 2 (its prompt holds the target's
+   own turn-1 answer), ... in batches of `--batch_size` left-padded prompts of similar length; an answer
+   that hits `--max_new_tokens` is kept as cut (its end-of-turn token is not learned); a prompt that does
+   not fit `--max_length` ends its conversation (a conversation with no answer at all is skipped);
+4. each shard is tokenised with loss masks (`data.chat_format`) and written atomically
+   (`OUT/shards/shard-00000`, a `save_to_disk` directory, renamed into place when complete);
+5. the main process merges the shards into ONE dataset saved in OUT (columns below) and writes
+   OUT/manifest.json last; a directory without manifest.json is not a finished dataset.
+
+Columns: input_ids (list[int]), loss_mask (list[int], 1 on assistant tokens incl. end-of-turn token), text
+(str, rendered conversation), conversation (str, JSON list of {role, content}), index (int, prompt index),
+truncated_turns (list[int], assistant turns cut by --max_new_tokens), generated_tokens (int).
+Sampling is seeded per shard (`--seed` + shard number), so a resumed or multi-process run equals a
+one-process uninterrupted run (exactly for greedy decoding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from data.chat_format import ChatFormat, chat_format, highlight, prompt_ids, tokenize_conversation
+from data.prompts import Conversation, read_conversations
+from data.runfiles import atomic_write_json, check_run_identity, parse_config, replace_dir, temporary_dir
+from heads.loading import load_model, load_tokenizer, model_path
+
+MANIFEST = "manifest.json"
+SHARDS = "shards"
+FORMAT_VERSION = 1
+
+
+def _help(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class DistillConfig:
+    """Flags of `python -m data.distill` (also the keys of a configs/distill_*.yaml recipe)."""
+
+    model: str | None = _help("Target model: Hub id, local directory or GGUF file.")
+    prompts: str | None = _help("Prompt file (.jsonl/.json: ShareGPT, OpenAI messages, Alpaca, MT-Bench, "
+                                "prompt/text) or dataset directory/name for datasets.load_dataset.")
+    output_dir: str | None = _help("Where the dataset, manifest.json and (while running) shards go.")
+    split: str = _help("Dataset split when --prompts is a dataset.", "train")
+    max_prompts: int | None = _help("Use at most this many conversations (after skipping bad rows).")
+    max_new_tokens: int = _help("Most tokens per answer; longer answers are cut (no end-of-turn learned).", 256)
+    temperature: float = _help("0 = greedy; > 0 samples with this temperature.", 0.0)
+    top_p: float = _help("Nucleus sampling mass when sampling (1 = off).", 1.0)
+    seed: int = _help("Sampling seed; shard k uses seed + k.", 0)
+    batch_size: int = _help("Prompts generated together (left padded).", 8)
+    shard_size: int = _help("Conversations per shard (the unit of resume and of the process split).", 64)
+    max_length: int | None = _help("Most tokens of prompt + answer; default: the model's max_position_embeddings.")
+    plain_format: bool = _help("Use the plain 'User: ...\\n\\nAssistant: ...' format (models without a chat "
+                               "template).", False)
+    dry_run: bool = _help("Answer the first prompt, print it tokenised with the learned span marked, write "
+                          "nothing.", False)
+    dtype: str = _help("Model dtype for generation.", "float32")
+    revision: str | None = _help("Model revision (Hub models).")
+    num_threads: int = _help("torch CPU threads.", 1)
+
+    def __post_init__(self) -> None:
+        for name in ("model", "prompts"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name} is required")
+        if not self.output_dir and not self.dry_run:
+            raise ValueError("--output_dir is required (unless --dry_run)")
+        for name in ("max_new_tokens", "batch_size", "shard_size", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Answered:
+    """One conversation after the target answered it."""
+
+    index: int
+    messages: Conversation
+    truncated_turns: list[int] = field(default_factory=list)  # assistant turns cut by max_new_tokens
+    generated_tokens: int = 0
+    skipped_reason: str | None = None
+
+
+def turn_inputs(conversation: Conversation) -> list[Conversation]:
+    """Split a conversation into what precedes each answer: [[system.., user], [user], ...]; answers dropped."""
+    turns, pending = [], []
+    for message in conversation:
+        if message["role"] == "assistant":
+            continue
+        pending.append(message)
+        if message["role"] == "user":
+            turns.append(pending)
+            pending = []
+    return turns
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the vocabulary (a dataset is only valid for models that share it)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+
+
+def generate_batch(model: PreTrainedModel, prompts: list[list[int]], fmt: ChatFormat, pad_id: int,
+                   generation: GenerationConfig) -> list[tuple[list[int], bool]]:
+    """Left-pad `prompts`, generate, and return per prompt (answer ids up to and incl. the stop id, finished)."""
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, S]
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, S]
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=generation)  # [B, S + new]
+    results = []
+    for row in output[:, width:].tolist():
+        stop = next((i for i, token in enumerate(row) if token in fmt.stop_token_ids), None)
+        results.append((row[:stop + 1], True) if stop is not None else (row, False))
+    return results
+
+
+@dataclass
+class GenerationSettings:
+    batch_size: int
+    max_new_tokens: int
+    max_length: int
+    generation: GenerationConfig
+    pad_id: int
+
+
+def answer_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
+                         conversations: list[tuple[int, Conversation]], settings: GenerationSettings,
+                         on_batch=None) -> list[Answered]:
+    """The target answers every user turn, turn by turn: later turns' prompts hold its own earlier answers.
+
+    Each round collects the next prompt of every unfinished conversation, sorts them by length (less
+    padding) and generates them in batches. `on_batch(turns, generated_tokens)` reports progress.
+    """
+    answered = [Answered(index, []) for index, _ in conversations]
+    pending = [turn_inputs(conversation) for _, conversation in conversations]
+    active = [i for i in range(len(conversations)) if pending[i]]
+    while active:
+        prompts = {}
+        for i in active:
+            ids = prompt_ids(tokenizer, fmt, answered[i].messages + pending[i][0])
+            if len(ids) + settings.max_new_tokens > settings.max_length:
+                pending[i] = []
+                if not answered[i].messages:
+                    answered[i].skipped_reason = (f"prompt of {len(ids)} tokens + --max_new_tokens "
+                                                  f"{settings.max_new_tokens} > --max_length {settings.max_length}")
+                continue
+            prompts[i] = ids
+        order = sorted(prompts, key=lambda i: (len(prompts[i]), i))
+        for start in range(0, len(order), settings.batch_size):
+            batch = order[start:start + settings.batch_size]
+            results = generate_batch(model, [prompts[i] for i in batch], fmt, settings.pad_id, settings.generation)
+            for i, (tokens, finished) in zip(batch, results, strict=True):
+                content_tokens = tokens[:-1] if finished else tokens
+                answer = tokenizer.decode(content_tokens, skip_special_tokens=True)
+                if not finished:
+                    answered[i].truncated_turns.append(sum(m["role"] == "assistant" for m in answered[i].messages))
+                answered[i].messages += pending[i].pop(0) + [{"role": "assistant", "content": answer}]
+                answered[i].generated_tokens += len(tokens)
+            if on_batch is not None:
+                on_batch(len(batch), sum(len(tokens) for tokens, _ in results))
+        active = [i for i in active if pending[i]]
+    return answered
+
+
+def dataset_rows(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, answered: list[Answered]) -> dict[str, list]:
+    """Columns of the answered conversations that were not skipped (see the module docstring)."""
+    columns: dict[str, list] = {name: [] for name in ("input_ids", "loss_mask", "text", "conversation", "index",
+                                                      "truncated_turns", "generated_tokens")}
+    for item in answered:
+        if item.skipped_reason is not None:
+            continue
+        tokenized = tokenize_conversation(tokenizer, fmt, item.messages, item.truncated_turns)
+        columns["input_ids"].append(tokenized.input_ids)
+        columns["loss_mask"].append(tokenized.loss_mask)
+        columns["text"].append(tokenized.text)
+        columns["conversation"].append(json.dumps(item.messages, ensure_ascii=False))
+        columns["index"].append(item.index)
+        columns["truncated_turns"].append(item.truncated_turns)
+        columns["generated_tokens"].append(item.generated_tokens)
+    return columns
+
+
+def features():
+    import datasets
+
+    return datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "text": datasets.Value("string"), "conversation": datasets.Value("string"),
+        "index": datasets.Value("int64"), "truncated_turns": datasets.Sequence(datasets.Value("int32")),
+        "generated_tokens": datasets.Value("int32"),
+    })
+
+
+def shard_path(output_dir: Path, shard: int) -> Path:
+    return output_dir / SHARDS / f"shard-{shard:05d}"
+
+
+def write_shard(path: Path, columns: dict[str, list], meta: dict[str, Any]) -> None:
+    """Save one shard (dataset + meta.json) to a temporary directory, then rename it into place."""
+    import datasets
+
+    tmp = temporary_dir(path)
+    try:
+        datasets.Dataset.from_dict(columns, features=features()).save_to_disk(str(tmp / "data"))
+        atomic_write_json(tmp / "meta.json", meta)
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Concatenate the shards into one dataset saved in `output_dir`, write manifest.json last, drop shards."""
+    import datasets
+
+    parts, skipped, seconds = [], [], 0.0
+    missing = [s for s in range(num_shards) if not (shard_path(output_dir, s) / "meta.json").is_file()]
+    if missing:
+        raise ValueError(f"--output_dir {output_dir}: shards {missing} are missing; run again to resume")
+    for shard in range(num_shards):
+        path = shard_path(output_dir, shard)
+        parts.append(datasets.load_from_disk(str(path / "data")))
+        meta = json.loads((path / "meta.json").read_text())
+        skipped += meta["skipped_conversations"]
+        seconds += meta["seconds"]
+    merged = datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict(
+        {name: [] for name in features()}, features=features())
+    tmp = temporary_dir(output_dir / "dataset")
+    try:
+        merged.save_to_disk(str(tmp))
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in [n for n in names if n != "state.json"] + ["state.json"]:  # state.json makes it loadable
+            (tmp / name).replace(output_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    lengths = [len(ids) for ids in merged["input_ids"]]
+    masked = [sum(mask) for mask in merged["loss_mask"]]
+    generated = sum(merged["generated_tokens"])
+    manifest.update({
+        "conversations_written": len(merged),
+        "conversations_skipped": len(skipped),
+        "skipped_conversations": skipped,
+        "assistant_turns": sum(sum(m["role"] == "assistant" for m in json.loads(c)) for c in merged["conversation"]),
+        "truncated_answers": sum(len(turns) for turns in merged["truncated_turns"]),
+        "tokens": {"total": sum(lengths), "loss": sum(masked), "generated": generated,
+                   "mean_length": sum(lengths) / len(lengths) if lengths else 0.0,
+                   "min_length": min(lengths, default=0), "max_length": max(lengths, default=0)},
+        "generation_seconds": round(seconds, 3),
+        "generated_tokens_per_second": round(generated / seconds, 2) if seconds else None,
+    })
+    atomic_write_json(output_dir / MANIFEST, manifest)
+    shutil.rmtree(output_dir / SHARDS, ignore_errors=True)
+    return manifest
+
+
+def generation_config(config: DistillConfig, pad_id: int, fmt: ChatFormat) -> GenerationConfig:
+    """Greedy or sampled generation that stops on the format's end-of-turn ids."""
+    sampling = {} if config.greedy else {"temperature": config.temperature, "top_p": config.top_p, "top_k": 0}
+    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=not config.greedy,
+                            eos_token_id=list(fmt.stop_token_ids), pad_token_id=pad_id, **sampling)
+
+
+def run_identity(config: DistillConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 fmt: ChatFormat, max_length: int) -> dict[str, Any]:
+    """What makes two runs' data the same kind: model, template, prompts and generation settings."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": config.model,
+        "revision": config.revision or getattr(model.config, "_commit_hash", None),
+        "chat_template_sha256": fmt.template_hash, "plain_format": fmt.plain,
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "stop_token_ids": list(fmt.stop_token_ids),
+        "prompts": config.prompts, "split": config.split, "max_prompts": config.max_prompts,
+        "shard_size": config.shard_size,
+        "generation": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+                       "top_p": config.top_p if not config.greedy else 1.0, "seed": config.seed,
+                       "batch_size": config.batch_size, "max_length": max_length, "dtype": config.dtype},
+    }
+
+
+def dry_run(model, tokenizer, fmt, conversations, settings) -> None:
+    """Answer the first conversation that fits and print it tokenised, the learned tokens between ⟦ ⟧."""
+    for index, conversation in enumerate(conversations):
+        (item,) = answer_conversations(model, tokenizer, fmt, [(index, conversation)], settings)
+        if item.skipped_reason is None:
+            tokenized = tokenize_conversation(tokenizer, fmt, item.messages, item.truncated_turns)
+            print(f"--- conversation {index}: {len(tokenized.input_ids)} tokens, "
+                  f"{sum(tokenized.loss_mask)} learned (between \u27e6 \u27e7) ---")
+            print(highlight(tokenizer, tokenized.input_ids, tokenized.loss_mask))
+            return
+        print(f"conversation {index} skipped: {item.skipped_reason}")
+    raise ValueError(f"--prompts {len(conversations)} conversations, none fits --max_length {settings.max_length}")
+
+
+def process_state():
+    """This process's rank, world size and device under `accelerate launch` (or a single process).
+
+    On machines without CUDA (or with ACCELERATE_USE_CPU=1) processes meet on CPU with gloo: run
+    `accelerate launch --multi_gpu --num_processes 2 -m data.distill ...` (with `--cpu` accelerate starts
+    one process only).
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+
+
+def run(config: DistillConfig) -> dict[str, Any]:
+    """Distill (or resume distilling) into config.output_dir; returns the manifest (or a dry-run summary)."""
+    from tqdm.auto import tqdm
+
+    state = process_state()
+    conversations, skipped_rows = read_conversations(config.prompts, config.max_prompts, config.split)
+    if not conversations:
+        raise ValueError(f"--prompts {config.prompts}: no usable conversation ({len(skipped_rows)} rows skipped)")
+    tokenizer = load_tokenizer(config.model)
+    chat_format(tokenizer, config.plain_format, model_name=config.model)  # fail on a missing template early
+    model = load_model(config.model, dtype=config.dtype, device=state.device, revision=config.revision)
+    gen_eos = model.generation_config.eos_token_id
+    fmt = chat_format(tokenizer, config.plain_format,
+                      stop_token_ids=gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [],
+                      model_name=config.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
+    max_length = config.max_length or model.config.get_text_config().max_position_embeddings
+    settings = GenerationSettings(config.batch_size, config.max_new_tokens, max_length,
+                                  generation_config(config, pad_id, fmt), pad_id)
+    if config.dry_run:
+        dry_run(model, tokenizer, fmt, conversations, settings)
+        return {"dry_run": True}
+
+    output_dir = Path(config.output_dir)
+    identity = run_identity(config, model, tokenizer, fmt, max_length)
+    if state.is_main_process:
+        check_run_identity(output_dir, identity)
+    state.wait_for_everyone()
+    check_run_identity(output_dir, identity)
+    if (output_dir / MANIFEST).is_file():
+        print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
+        return json.loads((output_dir / MANIFEST).read_text())
+
+    num_shards = math.ceil(len(conversations) / config.shard_size)
+    mine = [s for s in range(state.process_index, num_shards, state.num_processes)
+            if not (shard_path(output_dir, s) / "meta.json").is_file()]
+    todo_turns = sum(len(turn_inputs(c)) for s in mine
+                     for c in conversations[s * config.shard_size:(s + 1) * config.shard_size])
+    progress = tqdm(total=todo_turns, unit="turn", desc=f"distill[{state.process_index}]",
+                    disable=not state.is_local_main_process, file=sys.stderr)
+    started, generated = time.perf_counter(), [0]
+
+    def on_batch(turns: int, tokens: int) -> None:
+        generated[0] += tokens
+        progress.update(turns)
+        progress.set_postfix(tok_s=f"{generated[0] / (time.perf_counter() - started):.1f}")
+
+    for shard in mine:
+        first = shard * config.shard_size
+        chunk = list(enumerate(conversations[first:first + config.shard_size], start=first))
+        torch.manual_seed(config.seed + shard)
+        shard_start = time.perf_counter()
+        answered = answer_conversations(model, tokenizer, fmt, chunk, settings, on_batch)
+        meta = {"shard": shard, "seconds": time.perf_counter() - shard_start,
+                "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
+                                          for a in answered if a.skipped_reason is not None]}
+        write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)
+    progress.close()
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return {}
+    manifest = {
+        **identity,
+        "model_path": model_path(config.model),
+        "config": asdict(config),
+        "num_processes": state.num_processes,
+        "conversations_read": len(conversations),
+        "skipped_rows": len(skipped_rows),
+        "skipped_row_details": [asdict(row) for row in skipped_rows[:1000]],
+    }
+    manifest = merge_shards(output_dir, num_shards, manifest)
+    tokens = manifest["tokens"]
+    print(f"{output_dir}: {manifest['conversations_written']} conversations, {tokens['total']} tokens "
+          f"({tokens['loss']} learned), {manifest['conversations_skipped']} skipped, "
+          f"{len(skipped_rows)} bad rows; {manifest['generated_tokens_per_second']} generated tok/s")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_config(DistillConfig, argv)
+    torch.set_num_threads(config.num_threads)
+    return run(config)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,98 @@
+"""Small shared pieces of the data CLIs: flag parsing with a YAML recipe, atomic writes, run identity.
+
+(`data/` is a leaf package and may import only `heads.loading`, so it keeps its own copy of the
+`--config file.yaml` convention: YAML gives defaults, flags override, unknown keys are an error.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from transformers import HfArgumentParser
+
+T = TypeVar("T")
+RUN_FILE = "run.json"
+
+
+def parse_config(cls: type[T], argv: list[str] | None = None) -> T:
+    """`--config file.yaml` (defaults) + flags (overrides) -> a validated `cls` instance."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    parser = HfArgumentParser(cls)
+    parser.add_argument("--config", default=None, help="YAML file giving defaults for the flags below.")
+    if known.config:
+        path = Path(known.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path}: no such file")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {path}: expected a mapping of flag: value, got {type(values).__name__}")
+        unknown = sorted(set(values) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"--config {path}: unknown key(s) {unknown}; known keys are the flags of --help")
+        parser.set_defaults(**values)
+    # the extra namespace holding --config itself comes back as a second item
+    return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)[0]
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same directory and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: Path, value: Any) -> Path:
+    return atomic_write_text(path, json.dumps(value, indent=2, sort_keys=False) + "\n")
+
+
+def temporary_dir(beside: Path) -> Path:
+    """A fresh hidden directory next to `beside` (same filesystem, so os.replace of it is atomic)."""
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="." + beside.name + ".", suffix=".tmp", dir=beside.parent))
+
+
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Move a finished temporary directory to `target` in one rename (a stale target is removed first)."""
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+def check_run_identity(output_dir: Path, identity: dict[str, Any], flag: str = "--output_dir") -> None:
+    """Start or resume a run in `output_dir`: record `identity` there, or check it equals the recorded one.
+
+    Raises ValueError naming `flag` when the directory holds another run (another model, other settings) or
+    unrelated files, so runs are never mixed.
+    """
+    run_file = output_dir / RUN_FILE
+    if run_file.is_file():
+        saved = json.loads(run_file.read_text())
+        if saved.get("model") != identity.get("model"):
+            raise ValueError(f"{flag} {output_dir}: holds data of model {saved.get('model')!r}, not "
+                             f"{identity.get('model')!r}; use another {flag}")
+        differences = {key: (saved.get(key), identity.get(key)) for key in sorted(set(saved) | set(identity))
+                       if saved.get(key) != identity.get(key)}
+        if differences:
+            raise ValueError(f"{flag} {output_dir}: holds a run with other settings {differences} "
+                             f"(saved, now); use another {flag} or the same settings to resume")
+        return
+    if output_dir.exists() and any(not entry.name.startswith(".") for entry in output_dir.iterdir()):
+        raise ValueError(f"{flag} {output_dir}: not empty and holds no {RUN_FILE}; use an empty or new directory")
+    atomic_write_json(run_file, identity)
