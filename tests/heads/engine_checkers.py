@@ -46,12 +46,15 @@ def _one_float_dtype(tensors, problems):
 
 
 def check_tgi_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
-    """TGI: config.json medusa_num_heads / medusa_num_layers / base_model_name_or_path; medusa_lm_head.safetensors
+    """TGI: config.json medusa_num_heads / medusa_num_layers / base_model_name_or_path and no architectures key;
+    medusa_lm_head.safetensors
     with {h}.{l}.linear.weight [H,H] + .bias [H] (ResBlock loads bias=True) and {h}.{L}.weight [V,H] (no bias)."""
     config, tensors, problems = _read(directory, "medusa_lm_head.safetensors")
     for key in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"):
         if key not in config:
             problems.append(f"config.json lacks {key}")
+    if "architectures" in config:  # SpeculativeHead.load: Medusa only on KeyError for architectures
+        problems.append("config.json has architectures: TGI would disable the Medusa speculator")
     if problems:
         return problems
     heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]

@@ -90,6 +90,8 @@ PLANTED = {
                                r"2.2.weight: shape"),
     "medusa tgi missing config key": ("medusa", "tgi", None, lambda c: c.pop("medusa_num_layers"),
                                       "medusa_num_layers"),
+    "medusa tgi architectures key": ("medusa", "tgi", None, lambda c: c.update(architectures=["MedusaModel"]),
+                                     "architectures"),
     "eagle vllm bias present": ("eagle", "vllm", lambda t: t.update({"fc.bias": torch.zeros(H)}), None, "fc.bias"),
     "eagle sglang bias missing": ("eagle", "sglang", lambda t: t.pop("fc.bias"), None, "missing tensor fc.bias"),
     "eagle input norm present": ("eagle", "eagle",

@@ -74,3 +74,34 @@ def test_bad_mask_shapes_and_bool_masks_are_refused():
         layer(x, pos, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="position_ids"):
         layer(x, torch.arange(4)[None])
+
+
+def test_eagle3_training_time_test_mask_equals_per_position_drafting():
+    """EAGLE-3's unrolled training step (step-2 queries see step-1 keys causally and only their own step-2
+    key) equals what the runtime computes: one draft step per prefix with that prefix's step-1 cache."""
+    from heads import HeadsConfig, build_heads
+    from tests.tiny_models import tiny_model
+
+    target = tiny_model("llama")
+    heads = build_heads(HeadsConfig.for_target("eagle3", target.config, "t", draft_vocab_size=256)).double()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    embed = target.get_input_embeddings().double()
+    S = 6
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, S, 3 * 64, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 256, (1, S + 1), generator=g)
+    pos = torch.arange(S)[None]
+    step1 = heads(heads.project(feats), ids[:, :S], embed_tokens=embed, position_ids=pos)
+    # step 2 (batched): hidden = step-1 output, token shifted by one, position + 1
+    minimum = torch.finfo(torch.float64).min
+    mask = torch.full((S, 2 * S), minimum, dtype=torch.float64)
+    mask[:, :S] = causal_mask(1, S, 0, torch.float64)[0, 0]
+    mask[:, S:].fill_diagonal_(0.0)
+    step2 = heads(step1.hidden_states, ids[:, 1:], embed_tokens=embed, position_ids=pos + 1,
+                  attention_mask=mask[None, None], past_key_value=step1.past_key_value)
+    for t in range(S):
+        one = heads(step1.hidden_states[:, t:t + 1], ids[:, t + 1:t + 2], embed_tokens=embed,
+                    position_ids=pos[:, t:t + 1] + 1, past_key_value=step1.past_key_value.crop(t + 1))
+        torch.testing.assert_close(one.hidden_states[:, 0], step2.hidden_states[:, t], atol=1e-12, rtol=0)
