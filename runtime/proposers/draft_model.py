@@ -88,9 +88,11 @@ class DraftModelProposer:
         probs: dict[int, torch.Tensor] = {}
         frontier, depth = [m - 1], 0
         while frontier and depth < max_depth and len(tokens) - m < max_tokens:
+            # depth 0 forwards the unseen chain but needs only its last (root) logits; deeper, every new node
             out = self.draft.forward(torch.tensor(tokens[self._num_forwarded:], device=self.draft.device),
-                                     Tree.from_parents(parents), start=self._num_forwarded)
-            rows = out.logits[[node - self._num_forwarded for node in frontier]]  # [F, V]
+                                     Tree.from_parents(parents), start=self._num_forwarded,
+                                     logits_to_keep=1 if depth == 0 else 0)
+            rows = out.logits if depth == 0 else out.logits[[node - self._num_forwarded for node in frontier]]  # [F, V]
             self._num_forwarded = len(tokens)
             width = self.branching[depth] if depth < len(self.branching) else 1
             next_frontier = []
