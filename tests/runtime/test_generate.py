@@ -209,3 +209,18 @@ def test_cli_config_file(tmp_path, capsys):
     config.write_text("max_new_token: 5\n")
     with pytest.raises(ValueError, match="max_new_token"):
         main(["--config", str(config)])
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_prompt_lookup_equals_hf_generate():
+    """The real 135M chat model (49k vocabulary, GGUF via heads.loading), chat template, EOS from its config."""
+    from heads.loading import load_model, load_tokenizer
+    from runtime.generate import encode_prompt
+    from tests.tiny_models import SMOLLM2
+
+    model, tokenizer = load_model(str(SMOLLM2)), load_tokenizer(str(SMOLLM2))
+    prompt = encode_prompt(tokenizer, "Explain what a hash table is, and repeat the key definition twice.")
+    out, stats = run(model, PromptLookupProposer(), prompt, 100)
+    expected = reference(model, prompt, 100)
+    assert torch.equal(out, expected)
+    assert stats.stop_reason == ("eos" if expected.numel() < 100 else "max_new_tokens")
