@@ -42,7 +42,14 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from data.chat_format import ChatFormat, chat_format, highlight, prompt_ids, tokenize_conversation
 from data.prompts import Conversation, read_conversations
-from data.runfiles import atomic_write_json, check_run_identity, parse_config, replace_dir, temporary_dir
+from data.runfiles import (
+    atomic_write_json,
+    check_run_identity,
+    parse_config,
+    process_state,
+    replace_dir,
+    temporary_dir,
+)
 from heads.loading import load_model, load_tokenizer, model_path
 
 MANIFEST = "manifest.json"
@@ -325,19 +332,6 @@ def dry_run(model, tokenizer, fmt, conversations, settings) -> None:
             return
         print(f"conversation {index} skipped: {item.skipped_reason}")
     raise ValueError(f"--prompts {len(conversations)} conversations, none fits --max_length {settings.max_length}")
-
-
-def process_state():
-    """This process's rank, world size and device under `accelerate launch` (or a single process).
-
-    On machines without CUDA (or with ACCELERATE_USE_CPU=1) processes meet on CPU with gloo: run
-    `accelerate launch --multi_gpu --num_processes 2 -m data.distill ...` (with `--cpu` accelerate starts
-    one process only).
-    """
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
 
 
 def run(config: DistillConfig) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import yaml
 from transformers import HfArgumentParser
 
@@ -96,3 +97,16 @@ def check_run_identity(output_dir: Path, identity: dict[str, Any], flag: str = "
     if output_dir.exists() and any(not entry.name.startswith(".") for entry in output_dir.iterdir()):
         raise ValueError(f"{flag} {output_dir}: not empty and holds no {RUN_FILE}; use an empty or new directory")
     atomic_write_json(run_file, identity)
+
+
+def process_state():
+    """This process's rank, world size and device under `accelerate launch` (or a single process).
+
+    On machines without CUDA (or with ACCELERATE_USE_CPU=1) processes meet on CPU with gloo: run
+    `accelerate launch --multi_gpu --num_processes 2 -m data.distill ...` (with `--cpu` accelerate starts
+    one process only).
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
