@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from heads.config import HeadsConfig
@@ -48,6 +49,11 @@ class HeadsModule(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the head's floating-point parameters."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
     def save_pretrained(self, directory: str | Path) -> Path:
         from heads.checkpoint import save_heads

@@ -198,9 +198,14 @@ def resolve_directory(directory_or_repo: str | Path, revision: str | None = None
     text = str(directory_or_repo)
     if text.startswith((".", "/")) or text.count("/") != 1:
         raise FileNotFoundError(f"--heads {text}: no such directory (and not a Hub repo id 'owner/name')")
-    from huggingface_hub import snapshot_download
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    return Path(snapshot_download(text, revision=revision))
+    try:
+        return Path(huggingface_hub.snapshot_download(text, revision=revision))
+    except (HfHubHTTPError, LocalEntryNotFoundError) as err:
+        raise FileNotFoundError(f"--heads {text}: not a local directory and not downloadable from the Hub "
+                                f"({type(err).__name__}: {err})") from err
 
 
 def read_config(directory: Path) -> HeadsConfig:

@@ -63,3 +63,22 @@ def test_model_card_and_metrics(target, tmp_path):
     assert "sharegpt_sample.jsonl" in card and "EAGLE-3" in card
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     assert config["specheads"]["metrics"] == {"tau_mt_bench": 3.21}
+
+
+def test_bfloat16_round_trip(target, tmp_path):
+    heads = random_heads("eagle3", target).to(torch.bfloat16)
+    assert heads.dtype == torch.bfloat16 and heads.d2t.dtype == torch.int64
+    heads.save_pretrained(tmp_path / "h")
+    loaded = load_heads(tmp_path / "h")
+    assert loaded.dtype == torch.bfloat16 and loaded.config.dtype == "bfloat16"
+    hidden = torch.randn(1, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(heads.project(torch.cat([hidden] * 3, -1)), loaded.project(torch.cat([hidden] * 3, -1)))
+
+
+def test_unknown_repo_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="no-such/heads-repo"):
+        load_heads("no-such/heads-repo")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_heads("./missing/dir")
