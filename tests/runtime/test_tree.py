@@ -82,6 +82,7 @@ def test_tree_forward_stories260k():
 
 @pytest.mark.parametrize("arch,overrides", [
     ("mistral", {"sliding_window": 8}),
+    ("phi3", {"sliding_window": 8}),
     ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}),
     ("gemma2", {"sliding_window": 8}),
     ("gemma3_text", {"sliding_window": 8}),
