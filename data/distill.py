@@ -359,10 +359,8 @@ def run(config: DistillConfig) -> dict[str, Any]:
 
     output_dir = Path(config.output_dir)
     identity = run_identity(config, model, tokenizer, fmt, max_length)
-    if state.is_main_process:
-        check_run_identity(output_dir, identity)
+    check_run_identity(output_dir, identity, write=state.is_main_process)
     state.wait_for_everyone()
-    check_run_identity(output_dir, identity)
     if (output_dir / MANIFEST).is_file():
         print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
         return json.loads((output_dir / MANIFEST).read_text())

@@ -195,10 +195,9 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
         print(f"hidden states: {len(all_ids)} samples, {sum(lengths)} tokens x {len(layers)} layers {layers} x "
               f"{text_config.hidden_size} x {DTYPE_NAMES[dtype]} = {total / 1e9:.3f} GB "
               f"({remaining / 1e9:.3f} GB still to write)")
-        check_free_disk(output_dir, remaining)
-        check_run_identity(output_dir, identity)
+    check_free_disk(output_dir, remaining)
+    check_run_identity(output_dir, identity, write=state.is_main_process)
     state.wait_for_everyone()
-    check_run_identity(output_dir, identity)
     index_path = output_dir / INDEX
     if index_path.is_file():
         print(f"{output_dir}: already complete ({INDEX} present); nothing to do")

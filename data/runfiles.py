@@ -76,11 +76,13 @@ def replace_dir(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def check_run_identity(output_dir: Path, identity: dict[str, Any], flag: str = "--output_dir") -> None:
+def check_run_identity(output_dir: Path, identity: dict[str, Any], flag: str = "--output_dir",
+                       write: bool = True) -> None:
     """Start or resume a run in `output_dir`: record `identity` there, or check it equals the recorded one.
 
     Raises ValueError naming `flag` when the directory holds another run (another model, other settings) or
-    unrelated files, so runs are never mixed.
+    unrelated files, so runs are never mixed. Every process checks (so all of them fail alike); only the
+    one with `write` records a new run.
     """
     run_file = output_dir / RUN_FILE
     if run_file.is_file():
@@ -96,7 +98,8 @@ def check_run_identity(output_dir: Path, identity: dict[str, Any], flag: str = "
         return
     if output_dir.exists() and any(not entry.name.startswith(".") for entry in output_dir.iterdir()):
         raise ValueError(f"{flag} {output_dir}: not empty and holds no {RUN_FILE}; use an empty or new directory")
-    atomic_write_json(run_file, identity)
+    if write:
+        atomic_write_json(run_file, identity)
 
 
 def process_state():
