@@ -113,6 +113,7 @@ class Answered:
     messages: Conversation
     truncated_turns: list[int] = field(default_factory=list)  # assistant turns cut by max_new_tokens
     generated_tokens: int = 0
+    unanswered_turns: int = 0  # later user turns dropped because their prompt did not fit --max_length
     skipped_reason: str | None = None
 
 
@@ -180,6 +181,9 @@ def answer_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         for i in active:
             ids = prompt_ids(tokenizer, fmt, answered[i].messages + pending[i][0])
             if len(ids) + settings.max_new_tokens > settings.max_length:
+                if on_batch is not None:
+                    on_batch(len(pending[i]), 0)  # the turns that will not be answered
+                answered[i].unanswered_turns = len(pending[i])
                 pending[i] = []
                 if not answered[i].messages:
                     answered[i].skipped_reason = (f"prompt of {len(ids)} tokens + --max_new_tokens "
@@ -255,7 +259,7 @@ def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) ->
     """Concatenate the shards into one dataset saved in `output_dir`, write manifest.json last, drop shards."""
     import datasets
 
-    parts, skipped, seconds = [], [], 0.0
+    parts, skipped, seconds, unanswered = [], [], 0.0, 0
     missing = [s for s in range(num_shards) if not (shard_path(output_dir, s) / "meta.json").is_file()]
     if missing:
         raise ValueError(f"--output_dir {output_dir}: shards {missing} are missing; run again to resume")
@@ -265,6 +269,7 @@ def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) ->
         meta = json.loads((path / "meta.json").read_text())
         skipped += meta["skipped_conversations"]
         seconds += meta["seconds"]
+        unanswered += meta["unanswered_turns"]
     merged = datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict(
         {name: [] for name in features()}, features=features())
     tmp = temporary_dir(output_dir / "dataset")
@@ -284,6 +289,7 @@ def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) ->
         "skipped_conversations": skipped,
         "assistant_turns": sum(sum(m["role"] == "assistant" for m in json.loads(c)) for c in merged["conversation"]),
         "truncated_answers": sum(len(turns) for turns in merged["truncated_turns"]),
+        "unanswered_turns": unanswered,
         "tokens": {"total": sum(lengths), "loss": sum(masked), "generated": generated,
                    "mean_length": sum(lengths) / len(lengths) if lengths else 0.0,
                    "min_length": min(lengths, default=0), "max_length": max(lengths, default=0)},
@@ -386,6 +392,7 @@ def run(config: DistillConfig) -> dict[str, Any]:
         shard_start = time.perf_counter()
         answered = answer_conversations(model, tokenizer, fmt, chunk, settings, on_batch)
         meta = {"shard": shard, "seconds": time.perf_counter() - shard_start,
+                "unanswered_turns": sum(a.unanswered_turns for a in answered if a.skipped_reason is None),
                 "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
                                           for a in answered if a.skipped_reason is not None]}
         write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)

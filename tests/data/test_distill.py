@@ -196,11 +196,14 @@ def test_missing_template_names_the_flag(prompts, tmp_path):
 
 def test_too_long_prompts_are_skipped_and_reported(prompts, tmp_path):
     long_prompts = tmp_path / "long.jsonl"
-    long_prompts.write_text(json.dumps({"prompt": "word " * 200}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
+    long_prompts.write_text(json.dumps({"turns": ["word " * 200]}) + "\n" +
+                            json.dumps({"turns": ["Hi", "word " * 100]}) + "\n")
     manifest = run(config(str(long_prompts), tmp_path / "out", max_length=64))
     assert manifest["conversations_written"] == 1 and manifest["conversations_skipped"] == 1
     assert "--max_length 64" in manifest["skipped_conversations"][0]["reason"]
-    assert rows(tmp_path / "out")["index"] == [1]
+    assert manifest["unanswered_turns"] == 1  # conversation 1 keeps its first answer, its second turn is dropped
+    data = rows(tmp_path / "out")
+    assert data["index"] == [1] and [m["role"] for m in json.loads(data["conversation"][0])] == ["user", "assistant"]
 
 
 def test_dry_run_prints_marked_example_and_writes_nothing(prompts, tmp_path, capsys):
