@@ -1,0 +1,396 @@
+"""Head proposers (Medusa, EAGLE-1/2, EAGLE-3, MTP) through the ONE decode loop, adapter and acceptance module.
+
+- Greedy output == `model.generate(do_sample=False)` token for token, with random heads (stories260K) and
+  with "oracle" heads that draft well, so multi-token acceptance, KV trimming and feature feeding run
+  (targets whose greedy next token is mostly a fixed permutation sigma of the current token).
+- Drafts made incrementally (draft KV cache, lazily fed committed entries, tree entries) == drafts recomputed
+  from scratch without any cache (fp64).
+- Sampling: the first two emitted tokens follow the target's exact joint distribution (chi-square test,
+  p-value > 1e-3) through every proposer with tree rejection sampling; a proposer reporting a wrong q fails it.
+- Bad input: heads for another target, tree deeper than the heads, top_k larger than the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads import HeadsConfig, build_heads
+from runtime.acceptance import accept
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.generate import GenerationStats, generate
+from runtime.proposers.base import Draft
+from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
+from runtime.proposers.eagle3 import Eagle3Proposer
+from runtime.proposers.factory import HeadsOptions, accuracy_table, proposer_from_heads
+from runtime.proposers.medusa import MedusaProposer
+from runtime.proposers.mtp import MTPProposer
+from runtime.sampling import SamplingConfig, logits_to_probs
+from runtime.target import TargetModel
+from runtime.tree import Tree
+from runtime.tree_search import load_tree_file, static_tree
+from tests.tiny_models import REPO, stories260k, tiny_model
+
+TREE16 = REPO / "configs" / "trees" / "medusa_default_16.yaml"
+EAGLE1_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+PROPOSERS = ["medusa", "eagle2", "eagle1", "eagle3", "mtp"]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+def perm_target(arch: str, scale: float = 5.0, seed: int = 0, **overrides):
+    """A tiny model whose greedy next token is mostly sigma(current token): big embeddings dominate the
+    residual stream and lm_head rows are the embeddings permuted. Returns (model, sigma [V])."""
+    model = tiny_model(arch, seed=seed, **overrides)
+    vocab = model.config.vocab_size
+    sigma = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 5))
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed.mul_(scale)
+        model.get_output_embeddings().weight.copy_(embed[torch.argsort(sigma)])
+    return model, sigma
+
+
+def _inverse_power(sigma: torch.Tensor, power: int) -> torch.Tensor:
+    """idx with idx[v] = sigma^{-power}(v)."""
+    inverse, idx = torch.argsort(sigma), torch.arange(sigma.numel())
+    for _ in range(power):
+        idx = inverse[idx]
+    return idx
+
+
+def _quiet(layer) -> None:
+    """Shrink a draft decoder layer's attention/MLP outputs (still non-zero, so its KV cache matters)."""
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(0.1)
+        layer.mlp.down_proj.weight.mul_(0.1)
+
+
+def make_heads(kind: str, model, sigma: torch.Tensor | None = None, seed: int = 0, **options):
+    """Random heads of `kind` for `model`; with `sigma`, heads that predict the permutation target well."""
+    torch.manual_seed(seed)
+    defaults = {"medusa": dict(medusa_num_heads=4), "eagle3": dict(draft_vocab_size=200), "mtp": dict(mtp_num_depths=3)}
+    config = HeadsConfig.for_target(kind, model, "tiny-target", **{**defaults.get(kind, {}), **options})
+    heads = build_heads(config).to(model.dtype).eval()
+    if sigma is None:
+        return heads
+    embed = model.get_input_embeddings().weight
+    hidden = config.hidden_size
+    eye, zero = torch.eye(hidden), torch.zeros(hidden, hidden)
+    with torch.no_grad():
+        if kind == "medusa":
+            for h, head in enumerate(heads.heads):
+                head[-1].weight.copy_(embed[_inverse_power(sigma, h + 2)])
+        elif kind == "eagle":
+            heads.fc.weight.copy_(torch.cat([eye, zero], 1))  # cat(embed(token t+1), feature) -> embed
+            _quiet(heads.layers[0])
+        elif kind == "eagle3":
+            heads.fc.weight.copy_(torch.cat([zero, eye, zero], 1))  # the middle layer's feature ~ embed(t)
+            _quiet(heads.midlayer)
+            targets = heads.draft_to_target(torch.arange(config.draft_vocab_size))
+            heads.lm_head.weight.copy_(embed[_inverse_power(sigma, 2)[targets]])
+        elif kind == "mtp":
+            for layer in heads.layers:
+                layer.eh_proj.weight.copy_(torch.cat([eye, zero], 1))
+                _quiet(layer.block)
+    return heads
+
+
+def make_proposer(name: str, model, sigma=None, sampling=None, seed: int = 0, **head_options):
+    kind = {"medusa": "medusa", "eagle2": "eagle", "eagle1": "eagle", "eagle3": "eagle3", "mtp": "mtp"}[name]
+    heads = make_heads(kind, model, sigma, seed=seed, **head_options)
+    if name == "medusa":
+        return MedusaProposer(heads, model, load_tree_file(TREE16, num_heads=4), sampling, seed)
+    if name == "eagle2":
+        return EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=4, top_k=3, total_tokens=10),
+                             sampling=sampling, seed=seed)
+    if name == "eagle1":
+        return EagleProposer(heads, model, tree=static_tree(EAGLE1_TREE), sampling=sampling, seed=seed)
+    if name == "eagle3":
+        return Eagle3Proposer(heads, model, dynamic=DynamicTreeConfig(depth=3, top_k=3, total_tokens=8),
+                              sampling=sampling, seed=seed)
+    return MTPProposer(heads, model, 3, sampling, seed)
+
+
+def run_loop(model, proposer, prompt: torch.Tensor, new_tokens: int, sampling=None, seed=0):
+    config = DecodeConfig(max_new_tokens=new_tokens, eos_token_ids=(), sampling=sampling or SamplingConfig(),
+                          speculation=SpeculationConfig(num_speculative_tokens=proposer.tree_size), seed=seed)
+    stats = GenerationStats()
+    tokens = torch.cat(list(generate(TargetModel(model), proposer, prompt, config, stats)))
+    return tokens, stats
+
+
+def reference(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    out = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, prompt.numel():]
+
+
+# ------------------------------------------------------------------------------------ greedy equivalence
+
+@pytest.mark.parametrize("name", PROPOSERS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_identical_with_drafting_heads(arch, name):
+    model, sigma = perm_target(arch)
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, stats = run_loop(model, make_proposer(name, model, sigma), prompt, 80)
+    assert torch.equal(tokens, reference(model, prompt, 80))
+    assert stats.tau > 1.6, f"oracle heads should draft well, tau {stats.tau:.2f}"
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_greedy_identical_stories260k_random_heads(name):
+    model = stories260k()
+    prompt = torch.tensor([1, 403, 407, 261, 378, 285, 446, 374])  # "Once upon a time ..." ids
+    tokens, _ = run_loop(model, make_proposer(name, model, seed=3), prompt, 64)
+    assert torch.equal(tokens, reference(model, prompt, 64))
+
+
+# ------------------------------------------------------------------------- incremental == from scratch
+
+def _scratch_logits(name: str, proposer, model, committed: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """Draft logits (target vocab; draft vocab for EAGLE-3) for the child of the node reached by `path` (root
+    excluded), recomputed with no cache at all: target features of committed[:-1], then the path's entries."""
+    heads, emb, lm_head = proposer.heads, model.get_input_embeddings(), model.get_output_embeddings()
+    hs = model(committed[None], output_hidden_states=True).hidden_states
+    t = committed.numel() - 1  # root position
+    ids = torch.cat([committed, torch.tensor(path, dtype=torch.long)])
+    if name == "mtp":  # depth d reads h_d(s) and token s+d+1, s = 0..T-1
+        h = hs[-1][0, :t]
+        for d in range(len(path) + 1):
+            h = heads(h[None], ids[d + 1: d + 1 + t][None], depth=d, embed_tokens=emb,
+                      position_ids=torch.arange(t)[None]).hidden_states[0]
+        return heads.compute_logits(h[-1], depth=len(path), lm_head=lm_head)
+    if name == "eagle3":
+        feats = heads.project([hs[i][0, :t] for i in heads.config.target_layers])
+    else:
+        feats = hs[-1][0, :t]
+    out = heads(feats[None], ids[1: t + 1][None], embed_tokens=emb, position_ids=torch.arange(t)[None]).hidden_states[0]
+    for j in range(len(path)):  # entry (previous entry's output, path[j]) at position t + j
+        feats = torch.cat([feats, out[-1:]])
+        out = heads(feats[None], ids[1: t + 2 + j][None], embed_tokens=emb,
+                    position_ids=torch.arange(t + 1 + j)[None]).hidden_states[0]
+    return heads.compute_logits(out[-1]) if name == "eagle3" else heads.compute_logits(out[-1], lm_head)
+
+
+@pytest.mark.parametrize("name", ["eagle1", "eagle2", "eagle3", "mtp"])
+def test_incremental_draft_equals_scratch(name, monkeypatch):
+    """Every logits row the proposer drafted from equals a no-cache recomputation (fp64, 1e-9)."""
+    model = tiny_model("llama", dtype=torch.float64)
+    proposer = make_proposer(name, model, seed=4)
+    prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(2))
+    tokens, _ = run_loop(model, proposer, prompt, 15)  # leaves the proposer's state after several steps
+    committed = torch.cat([prompt, tokens])
+    rows: list[tuple[list[int], torch.Tensor]] = []  # (path tokens below the root, logits row for its children)
+    if name == "mtp":
+        original = proposer._logits
+
+        def recording_mtp(depth, h):
+            out = original(depth, h)
+            rows.append((depth, out))
+            return out
+
+        monkeypatch.setattr(proposer, "_logits", recording_mtp)
+    else:
+        from runtime.proposers import eagle
+
+        original = eagle._DraftSession.rows_for
+        token_of = {0: None}
+
+        def recording(self, depth, nodes, node_tokens, parents):
+            out = original(self, depth, nodes, node_tokens, parents)
+            for node, token, row in zip(nodes, node_tokens, out, strict=True):
+                token_of[node] = token
+                path, walk = [], node
+                while walk > 0:
+                    path.append(token_of[walk])
+                    walk = parents[walk]
+                rows.append((path[::-1], row))
+            return out
+
+        monkeypatch.setattr(eagle._DraftSession, "rows_for", recording)
+    draft = proposer.propose(committed, proposer.tree_size)
+    assert draft.tree.max_depth >= 2 and len(rows) >= 3
+    with torch.no_grad():
+        for path, row in rows:
+            if name == "mtp":  # the row of depth d is for the child of the chain node at depth d
+                path = draft.tokens[1: path + 1].tolist()
+            expected = _scratch_logits(name, proposer, model, committed, path).float()
+            torch.testing.assert_close(row.float().flatten(), expected.flatten(), rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+SAMPLES = 500
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells expected < 5 are merged into one. counts, probs: [K]."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    stat = ((observed - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((observed.numel() - 1) / 2.0, dtype=torch.float64), stat / 2))
+
+
+def first_two_tokens(model, proposer, samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empirical counts [V, V] of the first two tokens emitted after a fixed context by draft -> verify ->
+    tree rejection sampling (the second completed from the target when the step emitted one), and their exact
+    target probabilities p(x) p(y | x)."""
+    sampling = SamplingConfig(temperature=1.0)
+    target = TargetModel(model)
+    vocab = model.config.vocab_size
+    prompt = torch.tensor([1, 5, 3, 6, 7, 4, 3, 5])
+    out = target.prefill(prompt, proposer.hidden_state_indices)
+    proposer.reset(prompt, out.hidden)
+    root = 6
+    committed = torch.cat([prompt, torch.tensor([root])])
+    star = Tree.from_parents([-1] + [0] * vocab)  # root + every token: exact p(. | root) and p(. | root, x)
+    exact_out = target.forward(torch.tensor([root] + list(range(vocab))), star)
+    target.commit([])
+    p1 = logits_to_probs(exact_out.logits[0], sampling)
+    p2 = logits_to_probs(exact_out.logits[1:], sampling)  # [V, V]
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(samples):
+        draft = proposer.propose(committed, proposer.tree_size)
+        verify = target.forward(draft.tokens, draft.tree, hidden_state_indices=proposer.hidden_state_indices)
+        acceptance = accept(draft, verify.logits, sampling, "rejection", generator)
+        target.commit([])
+        emitted = draft.tokens[acceptance.accepted_nodes[1:]].tolist() + [acceptance.bonus_token]
+        x = emitted[0]
+        y = emitted[1] if len(emitted) > 1 else int(torch.multinomial(p2[x], 1, generator=generator))
+        counts[x, y] += 1
+    return counts, p1[:, None] * p2
+
+
+def small_vocab_target():
+    model = tiny_model("llama", vocab_size=8)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)  # a peaked target: q (random heads) differs from p
+    return model
+
+
+SAMPLING_PROPOSERS = ["medusa", "eagle1", "eagle2", "eagle3_tree", "mtp"]
+
+
+def _sampling_proposer(name: str, model):
+    sampling = SamplingConfig(temperature=1.0)
+    if name == "eagle3_tree":
+        heads = make_heads("eagle3", model, seed=6, draft_vocab_size=6)
+        return Eagle3Proposer(heads, model, tree=static_tree(EAGLE1_TREE), sampling=sampling, seed=6)
+    options = {"draft_vocab_size": 6} if name == "eagle3" else {}
+    return make_proposer(name, model, sampling=sampling, seed=6, **options)
+
+
+@pytest.mark.parametrize("name", SAMPLING_PROPOSERS)
+def test_tree_rejection_sampling_matches_target(name):
+    model = small_vocab_target()
+    proposer = _sampling_proposer(name, model)
+    counts, exact = first_two_tokens(model, proposer, SAMPLES)
+    drafted = proposer.propose(torch.tensor([1, 5, 3, 6, 7, 4, 3, 5, 6]), proposer.tree_size)
+    assert drafted.tree.num_nodes > 2
+    assert (drafted.probs is None) == (name == "eagle2")  # dynamic trees: point masses; static: sampled q rows
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_sampling_test_detects_a_wrong_q():
+    """Negative control: the same test fails when the proposer reports uniform q instead of the real one."""
+    model = small_vocab_target()
+    proposer = _sampling_proposer("medusa", model)
+    real = proposer.propose
+
+    def wrong_q(committed, budget):
+        draft = real(committed, budget)
+        uniform = (draft.probs > 0).float()
+        return Draft(draft.tokens, draft.tree, uniform / uniform.sum(-1, keepdim=True).clamp(min=1))
+
+    proposer.propose = wrong_q
+    counts, exact = first_two_tokens(model, proposer, SAMPLES)
+    assert chi_square_pvalue(counts, exact) < 1e-3
+
+
+# ------------------------------------------------------------------------------ factory and bad input
+
+def test_factory_picks_proposer_from_kind(tmp_path):
+    model, _ = perm_target("llama")
+    target = TargetModel(model)
+    expected = {"medusa": MedusaProposer, "eagle": EagleProposer, "eagle3": Eagle3Proposer, "mtp": MTPProposer}
+    for kind, cls in expected.items():
+        heads = make_heads(kind, model)
+        heads.save_pretrained(tmp_path / kind)
+        built = proposer_from_heads(tmp_path / kind, target, HeadsOptions(tree_size="3"), target_name="tiny-target")
+        assert type(built.proposer) is cls and built.size == 3 and built.proposer.tree_size == 3
+    static = proposer_from_heads(tmp_path / "eagle", target, HeadsOptions(eagle_tree="static", tree=str(TREE16)),
+                                 target_name="tiny-target")
+    assert static.proposer.tree_size == 16
+
+
+def test_factory_auto_size_uses_metrics_and_cost(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model, sigma = perm_target("llama")
+    target = TargetModel(model)
+    heads = make_heads("medusa", model, sigma)
+    heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.8, 0.7, 0.6], "top5_accuracy_per_depth":
+                            [0.95, 0.9, 0.85, 0.8]}
+    table = accuracy_table(heads.config)
+    assert table[0][0] == 0.9 and sum(table[0]) == pytest.approx(0.95) and len(table[0]) == 5
+    built = proposer_from_heads(heads, target, HeadsOptions(max_tree_size=12, cost_kv_length=16),
+                                target_name="tiny-target")
+    rows = built.size_choice.rows
+    assert [r["size"] for r in rows] == list(range(1, 13))
+    best = max(rows, key=lambda r: r["tokens_per_second"])
+    assert built.size == best["size"] == built.proposer.tree_size
+    assert list((tmp_path / "cache" / "cost_curves").glob("*.json"))  # the verify curve was cached
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run_loop(model, built.proposer, prompt, 30)
+    assert torch.equal(tokens, reference(model, prompt, 30))
+
+
+def test_auto_without_metrics_is_a_clear_error():
+    model, _ = perm_target("llama")
+    with pytest.raises(ValueError, match="--tree_size auto.*no measured accuracy"):
+        proposer_from_heads(make_heads("eagle", model), TargetModel(model), target_name="tiny-target")
+
+
+def test_heads_for_another_target(tmp_path):
+    model, _ = perm_target("llama")
+    other = tiny_model("llama", hidden_size=32, head_dim=8)
+    heads = make_heads("medusa", other)
+    heads.save_pretrained(tmp_path / "h")
+    with pytest.raises(ValueError, match="cannot run on target"):
+        proposer_from_heads(tmp_path / "h", TargetModel(model), HeadsOptions(tree_size="4"), target_name="tiny-target")
+
+
+def test_tree_deeper_than_heads(tmp_path):
+    model, _ = perm_target("llama")
+    heads = make_heads("medusa", model, medusa_num_heads=2)
+    with pytest.raises(ValueError, match="deeper than the 2 heads"):
+        MedusaProposer(heads, model, load_tree_file(TREE16))
+    heads.save_pretrained(tmp_path / "h")
+    with pytest.raises(ValueError, match=str(TREE16)):
+        proposer_from_heads(tmp_path / "h", TargetModel(model), HeadsOptions(tree=str(TREE16)),
+                            target_name="tiny-target")
+
+
+def test_top_k_larger_than_draft_vocab():
+    model, _ = perm_target("llama")
+    heads = make_heads("eagle3", model, draft_vocab_size=10)
+    with pytest.raises(ValueError, match="--top_k 16.*draft vocabulary has 10"):
+        Eagle3Proposer(heads, model, dynamic=DynamicTreeConfig(depth=2, top_k=16, total_tokens=8))
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Eagle3Proposer(heads, model, tree=static_tree([[0], [11]]))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="--tree_size"):
+        HeadsOptions(tree_size="big")
+    with pytest.raises(ValueError, match="--eagle_tree"):
+        HeadsOptions(eagle_tree="chain")
+    model, _ = perm_target("llama")
+    with pytest.raises(ValueError, match="MTP drafts a chain of 1..3"):
+        MTPProposer(make_heads("mtp", model), model, 5)
