@@ -106,6 +106,10 @@ def disk_estimate(lengths: list[int], hidden_size: int, num_layers: int, dtype: 
     return sum(lengths) * hidden_size * num_layers * torch.empty((), dtype=dtype).element_size()
 
 
+def human_bytes(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.2f} MB"
+
+
 def check_free_disk(output_dir: Path, needed: int) -> None:
     """Raise ValueError naming --output_dir when the filesystem holding it has less than `needed` * 1.05 free."""
     probe = output_dir
@@ -113,8 +117,8 @@ def check_free_disk(output_dir: Path, needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed * 1.05 > free:
-        raise ValueError(f"--output_dir {output_dir}: the features need about {needed / 1e9:.2f} GB but only "
-                         f"{free / 1e9:.2f} GB are free; free space, use fewer --layers, --dtype bf16 or --max_samples")
+        raise ValueError(f"--output_dir {output_dir}: the features need about {human_bytes(needed)} but only "
+                         f"{human_bytes(free)} are free; free space, use fewer --layers, --dtype bf16 or --max_samples")
 
 
 @torch.inference_mode()
@@ -193,8 +197,8 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
     if state.is_main_process:
         total = disk_estimate(lengths, text_config.hidden_size, len(layers), dtype)
         print(f"hidden states: {len(all_ids)} samples, {sum(lengths)} tokens x {len(layers)} layers {layers} x "
-              f"{text_config.hidden_size} x {DTYPE_NAMES[dtype]} = {total / 1e9:.3f} GB "
-              f"({remaining / 1e9:.3f} GB still to write)")
+              f"{text_config.hidden_size} x {DTYPE_NAMES[dtype]} = {total} bytes ({human_bytes(total)}; "
+              f"{human_bytes(remaining)} still to write)")
     check_free_disk(output_dir, remaining)
     check_run_identity(output_dir, identity, write=state.is_main_process)
     state.wait_for_everyone()

@@ -52,7 +52,7 @@ def test_features_equal_a_plain_forward_and_the_estimate_is_printed(distilled, t
     shown = capsys.readouterr().out
     data = datasets.load_from_disk(str(distilled))
     tokens = sum(len(ids) for ids in data["input_ids"])
-    assert f"{tokens} tokens x 3 layers [5, 0, 2] x 64 x float32 = {tokens * 3 * 64 * 4 / 1e9:.3f} GB" in shown
+    assert f"{tokens} tokens x 3 layers [5, 0, 2] x 64 x float32 = {tokens * 3 * 64 * 4} bytes" in shown
     assert index["layers"] == [5, 0, 2] and index["num_samples"] == 5 == len(index["samples"])
     features = HiddenStateShards(tmp_path / "feat")
     assert len(features) == 5 and features.layers == [5, 0, 2] and features.hidden_size == 64
@@ -101,7 +101,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(distilled, tmp_path, mo
 def test_refuses_to_start_without_enough_disk(distilled, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
-    with pytest.raises(ValueError, match="--output_dir .*need about .* GB but only 0.00 GB are free"):
+    with pytest.raises(ValueError, match="--output_dir .*need about .* MB but only 0.00 MB are free"):
         run(config(distilled, tmp_path / "feat"))
     assert not (tmp_path / "feat").exists()
 
