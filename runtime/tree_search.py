@@ -215,11 +215,6 @@ def write_tree_file(path: str | Path, paths: Sequence[Sequence[int]], header: st
     os.replace(tmp, path)
 
 
-def measure_accuracy_table(args) -> list[list[float]]:
-    """Per-head, per-rank accuracy of Medusa heads on greedy continuations of calibration prompts."""
-    raise ValueError("--heads: measuring needs heads.MedusaHeads, which is not committed yet; use --accuracy")
-
-
 @dataclass
 class TreeSearchArgs:
     """Flags of `python -m runtime.tree_search`."""
@@ -259,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not (args.model and args.heads and args.prompts):
             raise ValueError("pass --model, --heads and --prompts to measure the accuracy table, or --accuracy")
-        table = measure_accuracy_table(args)
+        table = measure_accuracy_table_cli(args)
         source = f"accuracy measured for {args.heads} on {args.prompts} ({args.max_prompts} prompts, "\
                  f"{args.max_new_tokens} greedy tokens each)"
     paths = grow_tree(table, args.num_nodes)
@@ -270,6 +265,65 @@ def main(argv: list[str] | None = None) -> None:
     write_tree_file(args.output, paths, header, accuracy=table)
     print(f"wrote {args.output}: {len(paths)} nodes, depth {max(len(p) for p in paths)}, "
           f"E[tau] = {expected_accepted_length(paths, table):.3f}")
+
+
+@torch.inference_mode()
+def measure_accuracy_table(model, heads, sequences: Sequence[tuple[torch.Tensor, int]], top_k: int
+                           ) -> list[list[float]]:
+    """Per-head, per-rank accuracy of Medusa `heads` on the target's own greedy continuations.
+
+    sequences: (ids [T] = prompt + the target's greedy continuation, prompt length). For every position t of
+    the continuation (t >= prompt length - 1) and head h with t+2+h < T, the rank of token t+2+h in head h's
+    logits at t is counted. Returns accuracy[h][r] = P(rank == r), r < top_k (one row per head).
+    """
+    from heads.base import target_modules
+
+    lm_head = target_modules(model).lm_head if heads.config.medusa_shared_lm_head else None
+    layer = heads.config.target_layers[0]
+    hits = torch.zeros(heads.num_heads, top_k, dtype=torch.float64)
+    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
+    device = next(model.parameters()).device
+    for ids, prompt_length in sequences:
+        ids = ids.to(device)
+        hidden = model(ids[None], output_hidden_states=[layer]).hidden_states[layer]  # [1, T, H]
+        logits = heads(hidden.to(next(heads.parameters()).dtype), lm_head=lm_head)[:, 0].float()  # [K, T, V]
+        length = ids.numel()
+        for h in range(heads.num_heads):
+            positions = torch.arange(max(prompt_length - 1, 0), length - 2 - h, device=device)
+            if positions.numel() == 0:
+                continue
+            truth = ids[positions + 2 + h]  # [P]
+            rows = logits[h, positions]  # [P, V]
+            rank = (rows > rows.gather(1, truth[:, None])).sum(1)  # [P] rank of the true token (ties: best)
+            hits[h] += torch.bincount(rank[rank < top_k].cpu(), minlength=top_k)[:top_k].double()
+            counts[h] += positions.numel()
+    if bool((counts == 0).any()):
+        raise ValueError("measure_accuracy_table: no positions to measure (continuations too short)")
+    return (hits / counts[:, None]).tolist()
+
+
+def measure_accuracy_table_cli(args: TreeSearchArgs) -> list[list[float]]:
+    """Load target, heads and prompts per the CLI flags; greedy continuations; the accuracy table."""
+    from heads.checkpoint import load_heads
+    from heads.loading import load_model, load_tokenizer
+    from heads.medusa import MedusaHeads
+    from runtime.bench import read_prompts
+    from runtime.generate import encode_prompt
+
+    model = load_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    heads = load_heads(args.heads, target=model, target_name=args.model, dtype=model.dtype)
+    if not isinstance(heads, MedusaHeads):
+        raise ValueError(f"--heads {args.heads}: the sparse-tree search needs Medusa heads, got kind "
+                         f"{heads.config.kind!r} (EAGLE trees are dynamic: --eagle_tree dynamic)")
+    if args.top_k > heads.config.vocab_size:
+        raise ValueError(f"--top_k {args.top_k} is larger than the vocabulary ({heads.config.vocab_size})")
+    sequences = []
+    for text in read_prompts(args.prompts, args.max_prompts):
+        ids = encode_prompt(tokenizer, text)
+        out = model.generate(ids[None], max_new_tokens=args.max_new_tokens, do_sample=False)[0]
+        sequences.append((out, ids.numel()))
+    return measure_accuracy_table(model, heads, sequences, args.top_k)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from runtime.sampling import SamplingConfig, logits_to_probs
 from runtime.target import TargetModel
 from runtime.tree import Tree
 from runtime.tree_search import load_tree_file, static_tree
-from tests.tiny_models import REPO, stories260k, tiny_model
+from tests.tiny_models import REPO, STORIES260K, stories260k, tiny_model
 
 TREE16 = REPO / "configs" / "trees" / "medusa_default_16.yaml"
 EAGLE1_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -394,3 +394,35 @@ def test_bad_options():
     model, _ = perm_target("llama")
     with pytest.raises(ValueError, match="MTP drafts a chain of 1..3"):
         MTPProposer(make_heads("mtp", model), model, 5)
+
+
+# ------------------------------------------------------------------------------- sparse-tree measurement
+
+def test_measured_accuracy_table():
+    from runtime.tree_search import measure_accuracy_table
+
+    model, sigma = perm_target("llama")
+    prompt = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(3))
+    sequence = torch.cat([prompt, reference(model, prompt, 40)])
+    good = measure_accuracy_table(model, make_heads("medusa", model, sigma), [(sequence, 10)], top_k=4)
+    bad = measure_accuracy_table(model, make_heads("medusa", model), [(sequence, 10)], top_k=4)
+    assert len(good) == 4 and all(len(row) == 4 and sum(row) <= 1 + 1e-9 for row in good)
+    assert min(row[0] for row in good) > 0.8 and max(row[0] for row in bad) < 0.2
+
+
+def test_tree_search_cli(tmp_path):
+    import json
+
+    from runtime.tree_search import main
+
+    model = stories260k()
+    config = HeadsConfig.for_target("medusa", model, str(STORIES260K), medusa_num_heads=3)
+    build_heads(config).save_pretrained(tmp_path / "heads")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Once upon a time", "Lily saw a dog"]))
+    out = tmp_path / "tree.yaml"
+    main(["--model", str(STORIES260K), "--heads", str(tmp_path / "heads"),
+          "--prompts", str(prompts), "--num_nodes", "10", "--max_new_tokens", "20", "--top_k", "4",
+          "--output", str(out)])
+    tree = load_tree_file(out, num_heads=3)
+    assert tree.tree.num_nodes == 11 and out.read_text().startswith("# python -m runtime.tree_search --model")
