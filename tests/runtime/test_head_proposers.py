@@ -426,3 +426,13 @@ def test_tree_search_cli(tmp_path):
           "--output", str(out)])
     tree = load_tree_file(out, num_heads=3)
     assert tree.tree.num_nodes == 11 and out.read_text().startswith("# python -m runtime.tree_search --model")
+
+
+def test_medusa_shared_lm_head_and_shallow_tree():
+    model, sigma = perm_target("llama")
+    heads = make_heads("medusa", model, medusa_shared_lm_head=True, medusa_num_heads=3)
+    proposer = MedusaProposer(heads, model, static_tree([[0], [1], [0, 0]], num_heads=3))
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run_loop(model, proposer, prompt, 40)
+    assert torch.equal(tokens, reference(model, prompt, 40))
+    assert proposer._head_logits(2).shape == (2, 256)  # only the heads the tree reaches are computed
