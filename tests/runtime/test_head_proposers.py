@@ -380,7 +380,7 @@ def test_tree_deeper_than_heads(tmp_path):
 def test_top_k_larger_than_draft_vocab():
     model, _ = perm_target("llama")
     heads = make_heads("eagle3", model, draft_vocab_size=10)
-    with pytest.raises(ValueError, match="--top_k 16.*draft vocabulary has 10"):
+    with pytest.raises(ValueError, match="--tree_top_k 16.*draft vocabulary has 10"):
         Eagle3Proposer(heads, model, dynamic=DynamicTreeConfig(depth=2, top_k=16, total_tokens=8))
     with pytest.raises(ValueError, match="draft vocabulary"):
         Eagle3Proposer(heads, model, tree=static_tree([[0], [11]]))

@@ -1,0 +1,277 @@
+"""`proposer_from_heads`: load trained heads for a target and build the matching proposer, sized for the device.
+
+The head directory's config (`kind`) picks the proposer: medusa -> MedusaProposer (static sparse tree),
+eagle -> EagleProposer (EAGLE-2 dynamic tree by default, EAGLE-1 static tree or chain on request),
+eagle3 -> Eagle3Proposer (same tree modes), mtp -> MTPProposer (chain).
+
+Tree size (`--tree_size`): the number of draft tokens per step, i.e. Medusa tree nodes, EAGLE-2
+`total_tokens`, or chain length. `auto` (default) picks the size maximising expected accepted tokens per
+second, E[tau(n)] / (t_verify(n + 1) + t_draft(n)) (runtime/cost_model.py):
+- t_verify: the target's verify cost curve on this device (measured once, cached on disk);
+- t_draft: the proposer's own propose() time, measured here on a random context;
+- E[tau(n)]: from the heads' held-out accuracies that training stores in config.json `metrics`
+  (`top1_accuracy_per_depth`, `topK_accuracy_per_depth`). Trees use a per-depth, per-rank table: rank 0 =
+  top-1 accuracy, the top-K minus top-1 mass spread over ranks 1..K-1 with weights halving per rank (an
+  approximation stated here); E[tau] of the best n-node tree under the Medusa independence model. Chains use
+  1 + sum_d prod_{i<=d} top1_i.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from heads.checkpoint import load_heads
+from heads.config import HeadsConfig
+from heads.eagle import Eagle3Draft, EagleDraft
+from heads.medusa import MedusaHeads
+from heads.mtp import MTPHeads
+from runtime.cost_model import SizeChoice, chain_expected_tau, choose_tree_size, verify_cost_curve
+from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
+from runtime.proposers.eagle3 import Eagle3Proposer
+from runtime.proposers.medusa import MedusaProposer
+from runtime.proposers.mtp import MTPProposer
+from runtime.sampling import SamplingConfig
+from runtime.target import TargetModel
+from runtime.tree_search import StaticTree, expected_accepted_lengths, grow_tree, load_tree_file, static_tree
+
+EAGLE_TREES = ("dynamic", "static")
+DEFAULT_TREE_TABLE = Path(__file__).resolve().parents[2] / "configs" / "trees" / "medusa_default_64.yaml"
+
+
+@dataclass(frozen=True)
+class HeadsOptions:
+    """How to draft with trained heads (flat; the CLIs expose each field as a flag)."""
+
+    tree_size: str = "auto"  # "auto" or an int (Medusa nodes / EAGLE-2 total_tokens / chain length)
+    tree: str = ""  # static tree YAML (Medusa; EAGLE with eagle_tree="static"); fixes the size
+    eagle_tree: str = "dynamic"  # EAGLE/EAGLE-3: "dynamic" (EAGLE-2) or "static" (EAGLE-1: --tree or a chain)
+    tree_depth: int = 5  # EAGLE-2 expansion depth
+    tree_top_k: int = 8  # EAGLE-2 children per expanded node and expanded nodes per level
+    max_tree_size: int = 64  # largest size `auto` considers
+    cost_kv_length: int = 256  # context length at which the verify cost is measured
+
+    def __post_init__(self) -> None:
+        if self.eagle_tree not in EAGLE_TREES:
+            raise ValueError(f"--eagle_tree must be one of {EAGLE_TREES}, got {self.eagle_tree!r}")
+        if self.fixed_size is not None and self.fixed_size < 1:
+            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
+        if self.max_tree_size < 1:
+            raise ValueError(f"--max_tree_size must be >= 1, got {self.max_tree_size}")
+
+    @property
+    def fixed_size(self) -> int | None:
+        """None for 'auto', else the int size (ValueError naming --tree_size for anything else)."""
+        if str(self.tree_size) == "auto":
+            return None
+        if not re.fullmatch(r"\d+", str(self.tree_size)):
+            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
+        return int(self.tree_size)
+
+
+@dataclass(frozen=True)
+class HeadsProposer:
+    """What `proposer_from_heads` returns: the proposer, its heads' config, and how the size was chosen."""
+
+    proposer: MedusaProposer | EagleProposer | MTPProposer
+    config: HeadsConfig
+    size: int  # draft tokens per step (the loop's budget)
+    size_choice: SizeChoice | None = None  # rows of the auto choice (None for a fixed size)
+    description: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:
+    """Per-depth, per-rank accuracy table from the heads' training metrics (see module docstring), or None."""
+    metrics = config.metrics or {}
+    top1 = metrics.get("top1_accuracy_per_depth")
+    if not top1:
+        return None
+    ranked = [(int(m.group(1)), key) for key in metrics
+              if (m := re.fullmatch(r"top(\d+)_accuracy_per_depth", key)) and int(m.group(1)) > 1]
+    table = []
+    for d, first in enumerate(top1):
+        row = [float(first)]
+        if ranked:
+            k, key = max(ranked)
+            rest = max(float(metrics[key][d]) - float(first), 0.0)
+            weights = [0.5 ** r for r in range(k - 1)]
+            row += [rest * w / sum(weights) for w in weights]
+        table.append([min(max(a, 0.0), 1.0) for a in row])
+    return table
+
+
+def _default_table(num_heads: int) -> list[list[float]]:
+    table = yaml.safe_load(DEFAULT_TREE_TABLE.read_text())["accuracy"]
+    return [table[min(h, len(table) - 1)] for h in range(num_heads)]
+
+
+def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3, seed: int = 0) -> float:
+    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (draft side only).
+
+    Uses the target once for the context's hidden states (clobbering its cache: call before generating).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
+    out = target.prefill(prompt, tuple(proposer.hidden_state_indices))
+    proposer.reset(prompt, out.hidden or None)
+    committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
+    proposer.propose(committed, proposer.tree_size)  # feeds the context into the draft's own cache
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        proposer.propose(committed, proposer.tree_size)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _auto(target: TargetModel, options: HeadsOptions, expected_tau: Callable[[int], float],
+          make: Callable[[int], object], sizes: list[int], draft_grid: list[int]) -> SizeChoice:
+    """Choose among `sizes`; draft time measured at `draft_grid` sizes and interpolated linearly."""
+    curve = verify_cost_curve(target, kv_length=options.cost_kv_length, max_tokens=max(sizes) + 1)
+    measured = {n: measure_draft_seconds(make(n), target, options.cost_kv_length) for n in draft_grid}
+    grid = sorted(measured)
+
+    def draft_seconds(n: int) -> float:
+        if len(grid) == 1 or n <= grid[0]:
+            return measured[grid[0]]
+        hi = next((g for g in grid if g >= n), grid[-1])
+        lo = max(g for g in grid if g <= n) if n <= grid[-1] else grid[-2]
+        if hi == lo:
+            return measured[lo]
+        return measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+
+    return choose_tree_size(sizes, expected_tau, curve.seconds_at, draft_seconds)
+
+
+def _load(heads: str | Path | torch.nn.Module, target: TargetModel, target_name: str | None, revision: str | None):
+    if isinstance(heads, torch.nn.Module):
+        from heads.checkpoint import check_compatible
+
+        check_compatible(heads.config, target.model, target_name=target_name, source="--heads")
+        return heads.to(device=target.device, dtype=target.dtype).eval()
+    return load_heads(heads, target=target.model, target_name=target_name, revision=revision,
+                      device=target.device, dtype=target.dtype)
+
+
+def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, options: HeadsOptions | None = None,
+                        sampling: SamplingConfig | None = None, seed: int | None = None,
+                        target_name: str | None = None, revision: str | None = None) -> HeadsProposer:
+    """Load heads (directory, Hub id, or an already built head module) for `target` and build the proposer.
+
+    target_name: the target as the user named it (e.g. the --model string) for the base-model check; heads
+    trained for another target raise ValueError naming both models (heads.checkpoint.check_compatible).
+    """
+    options = options or HeadsOptions()
+    sampling = sampling or SamplingConfig()
+    module = _load(heads, target, target_name, revision)
+    config = module.config
+    fixed = options.fixed_size
+    table = accuracy_table(config)
+    notes: list[str] = []
+    sizes = list(range(1, options.max_tree_size + 1))
+
+    def need_table() -> list[list[float]]:
+        if table is None:
+            raise ValueError(f"--tree_size auto: the heads ({config.base_model_name_or_path}, kind {config.kind}) "
+                             f"have no measured accuracy (config.json metrics.top1_accuracy_per_depth, written by "
+                             f"training/train_heads.py); pass --tree_size N or --tree FILE")
+        return table
+
+    if isinstance(module, MedusaHeads):
+        def make_medusa(tree: StaticTree) -> MedusaProposer:
+            return MedusaProposer(module, target.model, tree, sampling, seed, tree_source=options.tree or "tree")
+
+        if options.tree:
+            if fixed is not None:
+                raise ValueError("pass either --tree FILE or --tree_size N for Medusa heads, not both")
+            tree = load_tree_file(options.tree, num_heads=module.num_heads, vocab_size=config.vocab_size)
+            proposer = make_medusa(tree)
+            return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa tree {options.tree}")
+        grown_from = table[: module.num_heads] if table is not None else None
+        if grown_from is None:
+            grown_from = _default_table(module.num_heads)
+            notes.append(f"no measured accuracy in the heads: tree grown from the illustrative table of "
+                         f"{DEFAULT_TREE_TABLE.name}")
+
+        def make(n: int) -> MedusaProposer:
+            return make_medusa(static_tree(grow_tree(grown_from, n), "grown tree", num_heads=module.num_heads))
+
+        if fixed is not None:
+            proposer = make(fixed)
+            return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa grown tree, {fixed} nodes", notes)
+        taus = expected_accepted_lengths(need_table()[: module.num_heads], options.max_tree_size)
+        sizes = [n for n in sizes if n < len(taus)]
+        choice = _auto(target, options, lambda n: taus[n], make, sizes, [max(sizes)])
+        proposer = make(choice.size)
+        return HeadsProposer(proposer, config, proposer.tree_size, choice,
+                             f"medusa grown tree, auto size {choice.size}", notes)
+
+    if isinstance(module, MTPHeads):
+        sizes = [n for n in sizes if n <= module.num_depths]
+
+        def make(n: int) -> MTPProposer:
+            return MTPProposer(module, target.model, n, sampling, seed)
+
+        if fixed is not None:
+            proposer = make(fixed)
+            return HeadsProposer(proposer, config, fixed, None, f"mtp chain of {fixed}")
+        tau = chain_expected_tau(need_table_column(need_table()))
+        choice = _auto(target, options, tau, make, sizes, sizes)
+        return HeadsProposer(make(choice.size), config, choice.size, choice, f"mtp chain, auto length {choice.size}")
+
+    if isinstance(module, (EagleDraft, Eagle3Draft)):
+        cls = Eagle3Proposer if isinstance(module, Eagle3Draft) else EagleProposer
+        name = config.kind
+        if options.eagle_tree == "static":
+            if options.tree:
+                if fixed is not None:
+                    raise ValueError("pass either --tree FILE or --tree_size N, not both")
+                tree = load_tree_file(options.tree, vocab_size=module.config.draft_vocab_size
+                                      if isinstance(module, Eagle3Draft) else config.vocab_size)
+                proposer = cls(module, target.model, tree=tree, sampling=sampling, seed=seed)
+                return HeadsProposer(proposer, config, proposer.tree_size, None, f"{name} static tree {options.tree}")
+
+            def make(n: int) -> EagleProposer:
+                return cls(module, target.model, tree=static_tree([[0] * d for d in range(1, n + 1)]),
+                           sampling=sampling, seed=seed)
+
+            if fixed is not None:
+                return HeadsProposer(make(fixed), config, fixed, None, f"{name} chain of {fixed}")
+            tau = chain_expected_tau(need_table_column(need_table()))
+            grid = sorted({1, 2, 4, 8, 16, 32, 64, options.max_tree_size} & set(sizes))
+            choice = _auto(target, options, tau, make, sizes, grid)
+            return HeadsProposer(make(choice.size), config, choice.size, choice, f"{name} chain, auto length "
+                                                                                   f"{choice.size}")
+        if options.tree:
+            raise ValueError("--tree is a static tree: pass --eagle_tree static with it")
+
+        def make(n: int) -> EagleProposer:
+            return cls(module, target.model, dynamic=DynamicTreeConfig(options.tree_depth, options.tree_top_k, n),
+                       sampling=sampling, seed=seed)
+
+        if fixed is not None:
+            return HeadsProposer(make(fixed), config, fixed, None,
+                                 f"{name} dynamic tree depth {options.tree_depth} top_k {options.tree_top_k} total {fixed}")
+        taus = expected_accepted_lengths(need_table(), options.max_tree_size)
+        sizes = [n for n in sizes if n < len(taus)]
+        choice = _auto(target, options, lambda n: taus[n], make, sizes, [max(sizes)])
+        return HeadsProposer(make(choice.size), config, choice.size, choice,
+                             f"{name} dynamic tree depth {options.tree_depth} top_k {options.tree_top_k}, auto total "
+                             f"{choice.size}")
+    raise ValueError(f"--heads: unsupported head kind {config.kind!r}")
+
+
+def need_table_column(table: list[list[float]]) -> list[float]:
+    """Top-1 accuracy per depth (column 0 of the table)."""
+    return [row[0] for row in table]
