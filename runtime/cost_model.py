@@ -63,9 +63,15 @@ class CostCurve:
         if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
             raise ValueError(f"cost curve token counts must be increasing and >= 1, got {self.tokens}")
 
+    @property
+    def fitted(self) -> list[float]:
+        """The medians made non-decreasing in the token count (isotonic least-squares fit): a forward over
+        more tokens never costs less, so dips are timing noise of a shared machine."""
+        return isotonic(self.seconds)
+
     def seconds_at(self, tokens: float) -> float:
-        """Piecewise-linear interpolation of the measured medians; linear extrapolation beyond the ends."""
-        xs, ys = self.tokens, self.seconds
+        """Piecewise-linear interpolation of the fitted medians; linear extrapolation beyond the ends."""
+        xs, ys = self.tokens, self.fitted
         if len(xs) == 1:
             return ys[0]
         i = next((k for k in range(1, len(xs)) if xs[k] >= tokens), len(xs) - 1)
@@ -73,9 +79,20 @@ class CostCurve:
         return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 0.0)
 
     def relative(self) -> list[float]:
-        """Cost of each point relative to a 1-token forward (interpolated if 1 was not measured)."""
+        """Fitted cost of each point relative to a 1-token forward (interpolated if 1 was not measured)."""
         base = self.seconds_at(1)
-        return [s / base for s in self.seconds]
+        return [s / base for s in self.fitted]
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """Non-decreasing least-squares fit (pool adjacent violators): [K] -> [K]."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1), (m2, w2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2]]
+    return [m for m, w in blocks for _ in range(int(w))]
 
 
 def measure_curve(run_forward: Callable[[int], None], tokens: Sequence[int], repeats: int = 5,
@@ -280,7 +297,9 @@ def _plot(curve: CostCurve, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o")
+    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o", linestyle="", label="median")
+    ax[0].plot(curve.tokens, [s * 1000 for s in curve.fitted], label="isotonic fit")
+    ax[0].legend()
     ax[0].set(xlabel="tree tokens per verify forward", ylabel="ms (median)", xscale="log",
               title=f"{curve.model}\n{curve.device}, {curve.dtype}, KV {curve.kv_length}")
     ax[1].plot(curve.tokens, curve.relative(), marker="o")
@@ -304,10 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     model = random_llama3_8b(args.device, dtype) if args.random_llama3_8b else \
         load_model(args.model, dtype=dtype, device=args.device)
     curve = verify_cost_curve(TargetModel(model), args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
-    result: dict = {"curve": asdict(curve), "relative": curve.relative()}
+    result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
-    for q, s, r in zip(curve.tokens, curve.seconds, result["relative"], strict=True):
-        print(f"  {q:4d} tokens  {s * 1000:9.3f} ms  x{r:5.2f}")
+    for q, s, f, r in zip(curve.tokens, curve.seconds, curve.fitted, result["relative"], strict=True):
+        print(f"  {q:4d} tokens  median {s * 1000:9.3f} ms  fitted {f * 1000:9.3f} ms  x{r:5.2f}")
     if args.accuracy:
         import yaml
 

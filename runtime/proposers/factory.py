@@ -138,7 +138,7 @@ def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats
 def _auto(target: TargetModel, options: HeadsOptions, expected_tau: Callable[[int], float],
           make: Callable[[int], object], sizes: list[int], draft_grid: list[int]) -> SizeChoice:
     """Choose among `sizes`; draft time measured at `draft_grid` sizes and interpolated linearly."""
-    curve = verify_cost_curve(target, kv_length=options.cost_kv_length, max_tokens=max(sizes) + 1)
+    curve = verify_cost_curve(target, kv_length=options.cost_kv_length, max_tokens=max(sizes) + 1, repeats=7)
     measured = {n: measure_draft_seconds(make(n), target, options.cost_kv_length) for n in draft_grid}
     grid = sorted(measured)
 
