@@ -83,7 +83,7 @@ class HeadsProposer:
     proposer: MedusaProposer | EagleProposer | MTPProposer
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
-    size_choice: SizeChoice | None = None  # rows of the auto choice (None for a fixed size)
+    size_choice: SizeChoice | None = None  # rows of the auto choice, row 0 = plain decoding (None: fixed size)
     description: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -151,7 +151,9 @@ def _auto(target: TargetModel, options: HeadsOptions, expected_tau: Callable[[in
             return measured[lo]
         return measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
 
-    return choose_tree_size(sizes, expected_tau, curve.seconds_at, draft_seconds)
+    choice = choose_tree_size(sizes, expected_tau, curve.seconds_at, draft_seconds)
+    plain = dict(size=0, expected_tau=1.0, seconds=curve.seconds_at(1), tokens_per_second=1.0 / curve.seconds_at(1))
+    return SizeChoice(size=choice.size, rows=[plain] + choice.rows)  # row 0: plain decoding, for reference
 
 
 def _load(heads: str | Path | torch.nn.Module, target: TargetModel, target_name: str | None, revision: str | None):

@@ -341,7 +341,8 @@ def test_factory_auto_size_uses_metrics_and_cost(tmp_path, monkeypatch):
     assert table[0][0] == 0.9 and sum(table[0]) == pytest.approx(0.95) and len(table[0]) == 5
     built = proposer_from_heads(heads, target, HeadsOptions(max_tree_size=12, cost_kv_length=16),
                                 target_name="tiny-target")
-    rows = built.size_choice.rows
+    plain, *rows = built.size_choice.rows
+    assert plain["size"] == 0 and plain["expected_tau"] == 1.0
     assert [r["size"] for r in rows] == list(range(1, 13))
     best = max(rows, key=lambda r: r["tokens_per_second"])
     assert built.size == best["size"] == built.proposer.tree_size
