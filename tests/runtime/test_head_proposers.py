@@ -438,3 +438,17 @@ def test_medusa_shared_lm_head_and_shallow_tree():
     assert torch.equal(tokens, reference(model, prompt, 40))
     with torch.inference_mode():
         assert proposer._head_logits(2).shape == (2, 256)  # only the heads the tree reaches are computed
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_sampling_through_the_loop(name):
+    """temperature > 0 through generate(): exact length, accepted drafts (oracle heads), reproducible by seed."""
+    model, sigma = perm_target("llama")
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    sampling = SamplingConfig(temperature=0.5)
+    first, stats = run_loop(model, make_proposer(name, model, sigma, sampling=sampling, seed=1), prompt, 40,
+                            sampling=sampling, seed=1)
+    again, _ = run_loop(model, make_proposer(name, model, sigma, sampling=sampling, seed=1), prompt, 40,
+                        sampling=sampling, seed=1)
+    assert first.numel() == 40 and torch.equal(first, again)
+    assert stats.tau > 1.3
