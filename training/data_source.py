@@ -33,6 +33,20 @@ def pad_token_id(target: nn.Module) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
+def same_model(recorded: str | None, recorded_path: str | None, model: str) -> bool:
+    """Whether data recorded as made by `recorded` (resolved checkpoint `recorded_path`) comes from `model`."""
+    from heads.loading import model_path
+
+    if recorded is None:
+        return False
+    if recorded == model:
+        return True
+    candidates = [recorded_path] if recorded_path else []
+    candidates.append(recorded)
+    mine = Path(model_path(model)).resolve()
+    return any(Path(c).exists() and Path(c).resolve() == mine for c in candidates)
+
+
 def check_manifest(config: TrainConfig) -> dict[str, Any]:
     """The dataset's manifest.json, refused when it was distilled from another model.
 
@@ -41,7 +55,7 @@ def check_manifest(config: TrainConfig) -> dict[str, Any]:
     (token ids must mean the same thing).
     """
     from data.distill import MANIFEST, tokenizer_hash
-    from heads.loading import load_tokenizer, model_path
+    from heads.loading import load_tokenizer
 
     path = Path(config.dataset) / MANIFEST
     if not path.is_file():
@@ -49,10 +63,7 @@ def check_manifest(config: TrainConfig) -> dict[str, Any]:
                                 "(python -m data.distill writes it last)")
     manifest = json.loads(path.read_text())
     made_by = manifest.get("model")
-    same = made_by == config.model or (
-        manifest.get("model_path") is not None
-        and Path(manifest["model_path"]).resolve() == Path(model_path(config.model)).resolve())
-    if not same and not config.allow_other_model:
+    if not same_model(made_by, manifest.get("model_path"), config.model) and not config.allow_other_model:
         raise ValueError(f"--dataset {config.dataset} was distilled from {made_by!r}, not from --model "
                          f"{config.model!r}: heads must learn what their target says. Distill with the target "
                          "(python -m data.distill --model ...), or pass --allow_other_model")
@@ -76,4 +87,44 @@ def load_training_data(config: TrainConfig, target: nn.Module) -> TrainingData:
     missing = {"input_ids", "loss_mask"} - set(rows.column_names)
     if missing:
         raise ValueError(f"--dataset {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
-    return TrainingData(rows, None, pad_token_id(target))
+    features = offline_features(config, len(rows)) if config.features else None
+    return TrainingData(rows, features, pad_token_id(target))
+
+
+class OfflineFeatures:
+    """row -> {"hidden_states.{layer}": [T, H]} from `data.hidden_states` shards (picklable for workers)."""
+
+    def __init__(self, shards: Any) -> None:
+        self.shards = shards
+        self.layers: list[int] = list(shards.layers)
+
+    def __call__(self, row: int) -> dict[str, Tensor]:
+        from data.hidden_states import feature_name
+
+        return {feature_name(layer): tensor for layer, tensor in self.shards[row].items()}
+
+
+def offline_features(config: TrainConfig, num_rows: int) -> OfflineFeatures:
+    """Open --features and check it was computed by --model on --dataset (all rows)."""
+    from data.hidden_states import HiddenStateShards
+
+    shards = HiddenStateShards(config.features)
+    index = shards.index
+    if Path(index["dataset"]).resolve() != Path(config.dataset).resolve() or len(shards) != num_rows:
+        raise ValueError(f"--features {config.features} holds {len(shards)} samples of {index['dataset']!r}, "
+                         f"not the {num_rows} rows of --dataset {config.dataset}")
+    if not same_model(index["model"], None, config.model):
+        raise ValueError(f"--features {config.features} were computed by {index['model']!r}, not by --model "
+                         f"{config.model!r}")
+    return OfflineFeatures(shards)
+
+
+def check_feature_layers(features: OfflineFeatures | None, needed: list[int], config: TrainConfig) -> None:
+    """The shards must hold every hidden_states index the method reads."""
+    if features is None:
+        return
+    missing = sorted(set(needed) - set(features.layers))
+    if missing:
+        raise ValueError(f"--features {config.features} holds layers {features.layers}; --method {config.method} "
+                         f"needs {sorted(set(needed))}: rerun python -m data.hidden_states with --layers "
+                         f"{','.join(str(i) for i in sorted(set(needed)))}")

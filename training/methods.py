@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from data.hidden_states import feature_name
 from heads.base import HeadsModule, TargetModules, target_modules
 from heads.checkpoint import build_heads, load_heads
 from heads.config import HeadsConfig
@@ -35,23 +36,18 @@ from training.losses import (
 )
 
 
-def feature_key(layer: int) -> str:
-    """Name of the hidden_states[layer] feature in a batch (offline shards use the same names)."""
-    return f"hidden_states.{layer}"
-
-
 @torch.no_grad()
 def target_hidden_states(target: nn.Module, batch: dict[str, Any], layers: list[int]) -> list[Tensor]:
     """HF hidden_states[l] for each l in `layers` ([B, T, H] each; [-1]/L = after the final norm).
 
-    Offline batches carry them under `feature_key(l)`; otherwise the frozen target runs once (no_grad).
+    Offline batches carry them under `feature_name(l)`; otherwise the frozen target runs once (no_grad).
     """
     if "features" in batch:
-        missing = [feature_key(i) for i in layers if feature_key(i) not in batch["features"]]
+        missing = [feature_name(i) for i in layers if feature_name(i) not in batch["features"]]
         if missing:
             raise ValueError(f"--features: the shards hold {sorted(batch['features'])}, this method needs "
                              f"{missing}; write shards for those layers")
-        return [batch["features"][feature_key(i)] for i in layers]
+        return [batch["features"][feature_name(i)] for i in layers]
     out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
                  use_cache=False)
     return [out.hidden_states[i] for i in layers]
@@ -118,6 +114,7 @@ class MedusaTraining(nn.Module):
         self.heads = heads
         self._target = _FrozenTarget(target)
         self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.feature_layers = [self.last_layer]
         self.decay, self.top_k = config.head_decay, config.eval_top_k
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
@@ -134,6 +131,7 @@ class Medusa2Training(nn.Module):
         super().__init__()
         self.heads = heads
         self.target = peft_target
+        self.feature_layers: list[int] = []  # reads the adapted target's own forward
         self.config = config
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
@@ -166,6 +164,7 @@ class EagleTraining(nn.Module):
         self.draft = draft
         self._target = _FrozenTarget(target)
         self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.feature_layers = [self.last_layer]
         self.config = config
         self.pad = 0
 
@@ -207,7 +206,7 @@ class Eagle3Training(nn.Module):
         super().__init__()
         self.draft = draft
         self._target = _FrozenTarget(target)
-        self.layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
+        self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
         self.config = config
         self.pad = 0
 
@@ -218,7 +217,7 @@ class Eagle3Training(nn.Module):
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
-        *three, last = target_hidden_states(self._target.model, batch, self.layers)
+        *three, last = target_hidden_states(self._target.model, batch, self.feature_layers)
         dtype = self.draft.fc.weight.dtype
         with torch.no_grad():
             target_logits = apply_head(frozen.lm_head, last)
@@ -247,6 +246,7 @@ class MTPTraining(nn.Module):
         self.mtp = heads
         self._target = _FrozenTarget(target)
         self.last_layer = target.config.get_text_config().num_hidden_layers
+        self.feature_layers = [self.last_layer]
         self.config = config
         self.pad = 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from training.checkpoints import (
     temporary_checkpoint_path,
 )
 from training.config import TrainConfig, parse_config, save_config
-from training.data_source import TrainingData, load_training_data
+from training.data_source import TrainingData, check_feature_layers, load_training_data
 from training.evaluation import depth_metrics, per_depth
 from training.loop import (
     NonFiniteLossError,
@@ -51,11 +52,20 @@ from training.loop import (
 )
 from training.methods import build_training_module
 
+# Distributed objects that only process exit may free (see the __main__ block).
+_KEEP_UNTIL_EXIT: list[Any] = []
+
 
 def make_accelerator(config: TrainConfig) -> Accelerator:
-    """Accelerator with manual-but-standard accumulation (one group = gradient_accumulation_steps
-    micro-batches, never cut at epoch ends) and a seeded sampler (same data order on resume)."""
-    return Accelerator(
+    """Accelerator with standard accumulation (one group = gradient_accumulation_steps micro-batches, never
+    cut at epoch ends) and a seeded sampler (same data order on resume).
+
+    Several launched processes on a machine without a GPU run as multi-CPU DDP (gloo); without `cpu=True`
+    Accelerate would start them as independent single-process runs writing the same directory.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = Accelerator(
+        cpu=world_size > 1 and not torch.cuda.is_available(),
         mixed_precision=config.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps,
                                                                 sync_with_dataloader=False),
@@ -63,6 +73,10 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
         log_with=None if config.report_to == "none" else config.report_to,
         project_dir=config.output_dir,
     )
+    if accelerator.num_processes != world_size:
+        raise ValueError(f"launched {world_size} processes (WORLD_SIZE) but Accelerate formed a group of "
+                         f"{accelerator.num_processes}; check the accelerate config (distributed_type)")
+    return accelerator
 
 
 def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, train_rows: list[int],
@@ -129,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
     train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_rows)
     module = build_training_module(config, target, lambda: data.assistant_tokens(train_rows))
+    check_feature_layers(data.features, module.feature_layers, config)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
@@ -137,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, config.warmup_steps, steps, config.min_lr_ratio))
     module, optimizer, train_loader = accelerator.prepare(module, optimizer, train_loader)
+    if accelerator.num_processes > 1:
+        _KEEP_UNTIL_EXIT.append(module)
     accelerator.register_for_checkpointing(scheduler)
 
     # 3. Resume: weights, optimizer, scheduler, RNG states; then the exact data position.
@@ -223,3 +240,9 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError, NonFiniteLossError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    # Freeing a DDP module on gloo while the process group's worker thread still finishes the last collective
+    # can deadlock on the GIL (seen with torch 2.13 CPU, about one run in three): everything is saved and
+    # the trackers are closed, so leave without tearing the process group down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

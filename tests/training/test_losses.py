@@ -1,0 +1,139 @@
+"""Loss functions, metrics, schedule and the training-time-test unroll, on small tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heads.checkpoint import build_heads
+from heads.config import HeadsConfig
+from tests.tiny_models import tiny_config
+from training.evaluation import depth_metrics, expected_acceptance_length
+from training.loop import cosine_with_warmup, shard_rows, total_steps
+from training.losses import depth_cross_entropy, eagle3_step_loss, label_count
+from training.methods import shifted_tokens, unroll_draft, unroll_mask
+
+
+def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
+    torch.manual_seed(0)
+    batch, length, vocab, depths = 2, 9, 11, 3
+    ids = torch.randint(0, vocab, (batch, length))
+    mask = torch.randint(0, 2, (batch, length))
+    logits = [torch.randn(batch, length, vocab) for _ in range(depths)]
+    out = depth_cross_entropy(logits, ids, mask, decay=0.5, top_k=2)
+    expected_total = 0.0
+    for d in range(depths):
+        want, count = 0.0, 0
+        for b in range(batch):
+            for t in range(length - 2 - d):
+                if mask[b, t + 2 + d]:
+                    want += F.cross_entropy(logits[d][b, t][None], ids[b, t + 2 + d][None]).item()
+                    count += 1
+        assert out.depth.loss[d].item() == pytest.approx(want, rel=1e-5)
+        assert out.depth.count[d].item() == count
+        expected_total += 0.5**d * want
+    assert out.loss.item() == pytest.approx(expected_total, rel=1e-5)
+    assert label_count(mask).item() == out.depth.count[0].item()
+
+
+def test_losses_are_sums_so_a_split_batch_adds_up():
+    torch.manual_seed(1)
+    ids, mask = torch.randint(0, 7, (4, 8)), torch.ones(4, 8, dtype=torch.long)
+    logits = [torch.randn(4, 8, 7) for _ in range(2)]
+    whole = depth_cross_entropy(logits, ids, mask, 0.8, 1)
+    halves = [depth_cross_entropy([x[s] for x in logits], ids[s], mask[s], 0.8, 1)
+              for s in (slice(0, 1), slice(1, 4))]
+    assert whole.loss.item() == pytest.approx(sum(h.loss.item() for h in halves), rel=1e-6)
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_length([]) == 1.0
+    assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance_length([0.8, 0.0, 1.0]) == pytest.approx(1.8)
+    with pytest.raises(ValueError):
+        expected_acceptance_length([1.2])
+
+
+def test_depth_metrics_names_and_tau():
+    right = torch.zeros(1, 6, 5)
+    right[..., 0] = 1.0  # always predicts token 0
+    wrong = torch.zeros(1, 6, 5)
+    wrong[..., 1], wrong[..., 0] = 1.0, 0.5  # token 0 second
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    out = depth_cross_entropy([right, wrong], ids, torch.ones(1, 6, dtype=torch.long), 1.0, 2)
+    metrics = depth_metrics(out.depth, 2)
+    assert (metrics["eval/top1_d0"], metrics["eval/top1_d1"], metrics["eval/top2_d1"]) == (1.0, 0.0, 1.0)
+    assert metrics["eval/acceptance_length"] == 2.0
+    assert metrics["eval/loss_d0"] == pytest.approx(-math.log(math.e / (math.e + 4)))
+    assert metrics["eval/tokens"] == 4
+
+
+def test_eagle3_loss_skips_inexpressible_targets_but_counts_them_as_misses():
+    vocab, draft_vocab = 6, 3
+    draft_to_target = torch.tensor([0, 2, 4])
+    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft[draft_to_target] = True
+    ids = torch.tensor([[0, 0, 2, 5]])  # labels at t=0,1: tokens 2 and 5 (5 is not in the draft vocab)
+    target_logits = torch.full((1, 4, vocab), -10.0)
+    target_logits[0, 1, 2] = 10.0  # the target says 2 (in draft vocab) for token 2
+    target_logits[0, 2, 5] = 10.0  # and 5 (outside) for token 3
+    draft_logits = torch.zeros(1, 4, draft_vocab)
+    draft_logits[0, :, 1] = 5.0  # draft says draft id 1 = target id 2 everywhere
+    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_logits, ids, torch.ones(1, 4), draft_to_target,
+                                                in_draft, step=0, top_k=1)
+    assert (top1.item(), count.item()) == (1, 2)
+    only_first = -torch.log_softmax(draft_logits[0, 0], -1) @ torch.softmax(target_logits[0, 1, draft_to_target], -1)
+    assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
+
+
+def test_cosine_with_warmup_schedule():
+    assert cosine_with_warmup(0, 0, 10) == 1.0
+    assert cosine_with_warmup(10, 0, 10) == pytest.approx(0.0)
+    assert cosine_with_warmup(5, 0, 10) == pytest.approx(0.5)
+    assert cosine_with_warmup(0, 4, 10) == pytest.approx(0.2)
+    assert cosine_with_warmup(10, 0, 10, min_lr_ratio=0.1) == pytest.approx(0.1)
+    assert total_steps(-1, 2.0, 13, 2) == 13 and total_steps(7, 2.0, 13, 2) == 7
+
+
+def test_eval_shards_are_equal_and_cover_every_row_once():
+    rows = list(range(7))
+    shards = [shard_rows(rows, i, 3) for i in range(3)]
+    assert {len(s) for s in shards} == {3}
+    assert sorted(r for s in shards for r in s if r is not None) == rows
+
+
+def test_unroll_mask_blocks():
+    mask = unroll_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
+    assert mask.shape == (3, 9)
+    assert mask[:, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
+    assert mask[:, 3:6].equal(torch.eye(3, dtype=torch.bool)) and mask[:, 6:].equal(torch.eye(3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_unrolled_training_equals_sequential_drafting(kind):
+    """Step s of the parallel unroll at position t == the (s+1)-th token a chain drafted from t sees at run time:
+    prefix features 0..t in the draft's cache, then its own outputs fed back one position at a time."""
+    torch.manual_seed(0)
+    target = tiny_config("llama")
+    config = HeadsConfig.for_target(kind, target, base_model_name_or_path="tiny", draft_vocab_size=64)
+    draft = build_heads(config).double().eval()
+    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).double()
+    length, steps = 7, 3
+    ids = torch.randint(0, target.vocab_size, (1, length))
+    features = torch.randn(1, length, target.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        unrolled = unroll_draft(draft, features, ids, steps, pad=0, embed_tokens=embed)
+        for start in range(length - steps):
+            prefix = draft(features[:, : start + 1], shifted_tokens(ids, 1, 0)[:, : start + 1], embed_tokens=embed,
+                           position_ids=torch.arange(start + 1)[None])
+            assert torch.allclose(prefix.hidden_states[0, start], unrolled[0][0, start], atol=1e-10)
+            hidden, cache = prefix.hidden_states[:, -1:], prefix.past_key_value
+            for step in range(1, steps):
+                out = draft(hidden, ids[:, start + 1 + step: start + 2 + step], embed_tokens=embed,
+                            position_ids=torch.tensor([[start + step]]), past_key_value=cache)
+                assert torch.allclose(out.hidden_states[0, 0], unrolled[step][0, start], atol=1e-10), (start, step)
+                hidden, cache = out.hidden_states, out.past_key_value

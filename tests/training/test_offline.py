@@ -1,0 +1,57 @@
+"""Offline training (features from data.hidden_states shards) gives the same loss as the online target forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.loading import load_model
+from tests.tiny_models import STORIES260K
+from training.batching import Collator, IndexedRows
+from training.config import parse_config
+from training.data_source import load_training_data
+from training.methods import build_training_module
+
+
+@pytest.fixture(scope="module")
+def features_dir(stories_dataset, tmp_path_factory):
+    from data.hidden_states import main as hidden_states
+
+    out = tmp_path_factory.mktemp("features") / "stories"
+    hidden_states(["--model", str(STORIES260K), "--dataset", str(stories_dataset), "--output_dir", str(out),
+                   "--layers=1,2,4,-1", "--dtype", "float32", "--shard_size", "16"])
+    return out
+
+
+def one_batch_loss(args: list[str], train: bool) -> tuple[float, torch.Tensor]:
+    config = parse_config(args)
+    target = load_model(config.model)
+    data = load_training_data(config, target)
+    module = build_training_module(config, target, lambda: data.assistant_tokens(list(range(len(data.rows)))))
+    batch = Collator(data.pad_token_id, config.max_length)([IndexedRows(data.rows, [3, 7, 11], data.features)[i]
+                                                            for i in range(3)])
+    assert ("features" in batch) == bool(config.features)
+    generator = torch.Generator().manual_seed(0)
+    output = module(batch, train=train, generator=generator)
+    return output.loss.item(), output.depth.correct
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_online_and_offline_give_the_same_loss(method, train_args, features_dir, tmp_path):
+    args = train_args(method, tmp_path)
+    for train in (True, False):
+        online, online_hits = one_batch_loss(args, train)
+        offline, offline_hits = one_batch_loss(args + [f"--features={features_dir}"], train)
+        assert offline == pytest.approx(online, rel=1e-5, abs=1e-5)
+        assert offline_hits.equal(online_hits)
+
+
+def test_features_missing_a_layer_are_refused(stories_dataset, tmp_path, train_args, reset_accelerate):
+    from data.hidden_states import main as hidden_states
+    from training.train_heads import main
+
+    only_last = tmp_path / "features"
+    hidden_states(["--model", str(STORIES260K), "--dataset", str(stories_dataset), "--output_dir", str(only_last),
+                   "--layers=-1", "--dtype", "float32"])
+    with pytest.raises(ValueError, match="needs \\[1, 2, 4, 5\\]"):
+        main(train_args("eagle3", tmp_path / "run", features=only_last))
