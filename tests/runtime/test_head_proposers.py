@@ -452,3 +452,16 @@ def test_sampling_through_the_loop(name):
                         sampling=sampling, seed=1)
     assert first.numel() == 40 and torch.equal(first, again)
     assert stats.tau > 1.3
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gpt2", "gemma3_text"])
+def test_greedy_identical_other_architectures(arch, name):
+    """Untied models get drafting (oracle) heads, tied ones (gemma, gpt2) random heads."""
+    tied = arch in ("gemma2", "gpt2", "gemma3_text")
+    model, sigma = (tiny_model(arch), None) if tied else perm_target(arch)
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, stats = run_loop(model, make_proposer(name, model, sigma, seed=2), prompt, 48)
+    assert torch.equal(tokens, reference(model, prompt, 48))
+    if not tied:
+        assert stats.tau > 1.6
