@@ -109,7 +109,9 @@ def train_step(accelerator: Accelerator, module: nn.Module, optimizer: torch.opt
             if accelerator.sync_gradients:
                 if max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
-                    _check_finite(accelerator, torch.as_tensor(grad_norm), "gradient norm", step, i, item.batch)
+                    if grad_norm is not None:  # DeepSpeed clips inside its engine and may return None
+                        _check_finite(accelerator, torch.as_tensor(grad_norm), "gradient norm", step, i,
+                                      item.batch)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         loss_sum += output.loss.detach().double()
