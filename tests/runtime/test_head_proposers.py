@@ -465,3 +465,30 @@ def test_greedy_identical_other_architectures(arch, name):
     assert torch.equal(tokens, reference(model, prompt, 48))
     if not tied:
         assert stats.tau > 1.6
+
+
+def test_bench_heads_compares_methods(tmp_path):
+    import json
+
+    from runtime.bench_heads import main
+
+    model = stories260k()
+    for kind in ("medusa", "eagle"):
+        build_heads(HeadsConfig.for_target(kind, model, str(STORIES260K), medusa_num_heads=3)).save_pretrained(
+            tmp_path / kind)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 1\nmax_new_tokens: 24\n"
+                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nmethods:\n"
+                      f"  - {{name: pl, method: prompt_lookup}}\n"
+                      f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
+                      f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n")
+    payload = main(["--config", str(config)])
+    assert [m["method"] for m in payload["methods"]] == ["pl", "medusa3", "eagle2"]
+    assert all(m["greedy_identical"] for m in payload["methods"])
+    detail = json.loads((tmp_path / "out" / "medusa3.json").read_text())
+    assert detail["config"]["size"] == 3 and len(detail["prompts"]) == 1
+    config.write_text(config.read_text().replace("tree_top_k: 2", "tree_top_k: 2, depth: 3"))
+    with pytest.raises(ValueError, match="unknown key"):
+        main(["--config", str(config)])

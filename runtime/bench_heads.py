@@ -1,0 +1,190 @@
+"""Compare several drafters (trained heads at several tree sizes, prompt lookup) on the same prompts, in one run.
+
+    python -m runtime.bench_heads --config configs/bench_heads_smollm2.yaml
+
+`runtime.bench` measures one method against plain decoding; running it once per method repeats the plain and
+transformers baselines every time. This driver runs, per prompt (interleaved, after one untimed warm-up of
+every runner): plain decoding through our loop, transformers' `model.generate` (the greedy reference), then
+every method of the config. For each method it writes `<output_dir>/<name>.json` in runtime.bench's format
+(per-prompt and overall tau, acceptance per depth, draft/verify/prefill shares, speed-up vs plain and vs
+transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
+auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
+num_threads, warmup_tokens, methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
+fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from runtime.bench import (
+    overall_record,
+    prompt_record,
+    read_prompts,
+    run_hf,
+    run_ours,
+    write_json_atomic,
+)
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.generate import encode_prompt
+from runtime.proposers import Autoregressive, PromptLookupProposer
+from runtime.proposers.factory import HeadsOptions, proposer_from_heads
+from runtime.target import TargetModel
+
+_RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
+             "methods"}
+_OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
+
+
+@dataclass
+class MethodSpec:
+    """One drafter to compare: heads with options, or prompt lookup."""
+
+    name: str
+    heads: str | None = None
+    method: str = "heads"
+    options: HeadsOptions = field(default_factory=HeadsOptions)
+
+
+def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec]:
+    """methods: [{name, heads | method: prompt_lookup, HeadsOptions fields...}] -> specs (ValueError naming `source`)."""
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{source}: 'methods' must be a non-empty list")
+    specs = []
+    for entry in entries:
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ValueError(f"{source}: every method needs a 'name', got {entry!r}")
+        unknown = sorted(set(entry) - {"name", "heads", "method"} - _OPTION_KEYS)
+        if unknown:
+            raise ValueError(f"{source}: method {entry['name']!r}: unknown key(s) {unknown}")
+        method = entry.get("method", "heads")
+        if method not in ("heads", "prompt_lookup"):
+            raise ValueError(f"{source}: method {entry['name']!r}: 'method' must be heads or prompt_lookup")
+        if method == "heads" and not entry.get("heads"):
+            raise ValueError(f"{source}: method {entry['name']!r}: needs 'heads' (directory or Hub id)")
+        options = HeadsOptions(**{k: (str(v) if k == "tree_size" else v) for k, v in entry.items()
+                                  if k in _OPTION_KEYS})
+        specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{source}: method names must be unique, got {names}")
+    return specs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import argparse
+
+    from heads.loading import load_model, load_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML with the run keys and the methods list")
+    parser.add_argument("--max_prompts", type=int, default=None, help="override the config's max_prompts")
+    args = parser.parse_args(argv)
+    path = Path(args.config)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    config = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(config) - _RUN_KEYS)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown key(s) {unknown}; allowed {sorted(_RUN_KEYS)}")
+    specs = parse_methods(config.get("methods"), f"--config {path}")
+    model_name = config.get("model", "../shared/models/smollm2-135m-instruct")
+    max_prompts = args.max_prompts or int(config.get("max_prompts", 8))
+    output_dir = Path(config.get("output_dir", "outputs/bench/heads"))
+    torch.set_num_threads(int(config.get("num_threads", 1)))
+    decode = DecodeConfig(max_new_tokens=int(config.get("max_new_tokens", 128)),
+                          speculation=SpeculationConfig(num_speculative_tokens=1024, max_speculative_tokens=1024))
+    warmup = dataclasses.replace(decode, max_new_tokens=min(int(config.get("warmup_tokens", 16)),
+                                                            decode.max_new_tokens))
+
+    tokenizer = load_tokenizer(model_name)
+    model = load_model(model_name)
+    target = TargetModel(model)
+    encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
+                                                                           "../shared/data/mt_bench_question.jsonl"),
+                                                                max_prompts)]
+    proposers, built_info = {}, {}
+    for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
+        if spec.method == "prompt_lookup":
+            proposers[spec.name] = PromptLookupProposer()
+            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, 1024-token budget)"}
+            continue
+        built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
+        proposers[spec.name] = built.proposer
+        built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
+                                 "auto_rows": built.size_choice.rows if built.size_choice else None}
+        print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
+    gen_config = _hf_config(model, decode)
+
+    run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
+    run_hf(model, encoded[0], _hf_config(model, warmup), None)
+    for proposer in proposers.values():
+        run_ours(target, proposer, encoded[0], warmup)
+    records: dict[str, list] = {name: [] for name in proposers}
+    stats: dict[str, list] = {name: [] for name in proposers}
+    for i, ids in enumerate(encoded):
+        plain = run_ours(target, Autoregressive(), ids, decode)
+        hf = run_hf(model, ids, gen_config, None)
+        for name, proposer in proposers.items():
+            run = run_ours(target, proposer, ids, decode)
+            records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
+            stats[name].append(run.stats)
+            r = records[name][-1]
+            print(f"[bench_heads] prompt {i + 1}/{len(encoded)} {name}: tau {r['tau']:.2f}, speed-up "
+                  f"{r['speedup']:.2f}, identical {r['greedy_identical']}", file=sys.stderr)
+    summary = []
+    for name in proposers:
+        overall = overall_record(records[name], stats[name])
+        result = {"config": {"model": model_name, "method": name, "spec": _spec_record(specs, name),
+                             "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
+                             "num_threads": torch.get_num_threads(), **built_info[name]},
+                  "overall": overall, "prompts": records[name]}
+        write_json_atomic(output_dir / f"{name}.json", result)
+        summary.append({"method": name, "description": built_info[name]["description"],
+                        "size": built_info[name].get("size"), "tau": overall["tau"],
+                        "acceptance_per_depth": overall["acceptance_per_depth"],
+                        "plain_tokens_per_second": overall["plain"]["tokens_per_second"],
+                        "method_tokens_per_second": overall["method"]["tokens_per_second"],
+                        "speedup_total": overall["speedup_total"], "speedup_median": overall["speedup_median"],
+                        "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
+                        "greedy_identical": overall["greedy_identical"]})
+    payload = {"model": model_name, "prompts": len(encoded), "max_new_tokens": decode.max_new_tokens,
+               "methods": summary}
+    write_json_atomic(output_dir / "summary.json", payload)
+    print_summary(payload)
+    return payload
+
+
+def _spec_record(specs: list[MethodSpec], name: str) -> dict[str, Any]:
+    spec = next(s for s in specs if s.name == name)
+    return {"heads": spec.heads, "method": spec.method, **dataclasses.asdict(spec.options)}
+
+
+def _hf_config(model, decode: DecodeConfig):
+    from runtime.bench import hf_generation_config
+
+    return hf_generation_config(model, decode)
+
+
+def print_summary(payload: dict[str, Any]) -> None:
+    """One line per method: tau, tokens/s, speed-up vs plain, draft/verify shares, greedy identity."""
+    print(f"{payload['model']}: {payload['prompts']} prompts x {payload['max_new_tokens']} new tokens")
+    print(f"{'method':<22} {'size':>4} {'tau':>5} {'plain/s':>8} {'method/s':>9} {'speedup':>7} {'draft':>6} "
+          f"{'verify':>6} {'ident':>5}")
+    for m in payload["methods"]:
+        size = "-" if m["size"] is None else str(m["size"])
+        ident = {True: "yes", False: "NO", None: "-"}[m["greedy_identical"]]
+        print(f"{m['method']:<22} {size:>4} {m['tau']:>5.2f} {m['plain_tokens_per_second']:>8.2f} "
+              f"{m['method_tokens_per_second']:>9.2f} {m['speedup_total']:>7.2f} {m['draft_share']:>6.2f} "
+              f"{m['verify_share']:>6.2f} {ident:>5}")
+
+
+if __name__ == "__main__":
+    main()
