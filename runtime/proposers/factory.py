@@ -46,6 +46,18 @@ EAGLE_TREES = ("dynamic", "static")
 DEFAULT_TREE_TABLE = Path(__file__).resolve().parents[2] / "configs" / "trees" / "medusa_default_64.yaml"
 
 
+AUTO_DEPTHS = (2, 3, 4, 5, 6)
+AUTO_TOP_KS = (2, 4, 8)
+
+
+def _int_or_auto(value: str | int, flag: str, grid: tuple[int, ...]) -> list[int]:
+    if str(value) == "auto":
+        return list(grid)
+    if not re.fullmatch(r"\d+", str(value)) or int(value) < 1:
+        raise ValueError(f"{flag} must be 'auto' or an int >= 1, got {value!r}")
+    return [int(value)]
+
+
 @dataclass(frozen=True)
 class HeadsOptions:
     """How to draft with trained heads (flat; the CLIs expose each field as a flag)."""
@@ -53,8 +65,8 @@ class HeadsOptions:
     tree_size: str = "auto"  # "auto" or an int (Medusa nodes / EAGLE-2 total_tokens / chain length)
     tree: str = ""  # static tree YAML (Medusa; EAGLE with eagle_tree="static"); fixes the size
     eagle_tree: str = "dynamic"  # EAGLE/EAGLE-3: "dynamic" (EAGLE-2) or "static" (EAGLE-1: --tree or a chain)
-    tree_depth: int = 5  # EAGLE-2 expansion depth
-    tree_top_k: int = 8  # EAGLE-2 children per expanded node and expanded nodes per level
+    tree_depth: str = "5"  # EAGLE-2 expansion depth, or "auto" (tried: 2..6)
+    tree_top_k: str = "8"  # EAGLE-2 children per expanded node and nodes per level, or "auto" (2, 4, 8)
     max_tree_size: int = 64  # largest size `auto` considers
     cost_kv_length: int = 256  # context length at which the verify cost is measured
 
@@ -65,6 +77,16 @@ class HeadsOptions:
             raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
         if self.max_tree_size < 1:
             raise ValueError(f"--max_tree_size must be >= 1, got {self.max_tree_size}")
+        self.depth_grid()
+        self.top_k_grid()
+
+    def depth_grid(self) -> list[int]:
+        """--tree_depth N -> [N]; auto -> the depths the auto choice tries."""
+        return _int_or_auto(self.tree_depth, "--tree_depth", AUTO_DEPTHS)
+
+    def top_k_grid(self) -> list[int]:
+        """--tree_top_k K -> [K]; auto -> the top_k values the auto choice tries."""
+        return _int_or_auto(self.tree_top_k, "--tree_top_k", AUTO_TOP_KS)
 
     @property
     def fixed_size(self) -> int | None:
@@ -113,33 +135,48 @@ def _default_table(num_heads: int) -> list[list[float]]:
     return [table[min(h, len(table) - 1)] for h in range(num_heads)]
 
 
-def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3, seed: int = 0) -> float:
-    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (draft side only).
+class DraftTimer:
+    """Times `proposer.propose` on one random context of `kv_length` tokens (draft side only).
 
-    Uses the target once for the context's hidden states (clobbering its cache: call before generating).
+    The context is prefilled through the target once (this clobbers the target's cache: use before
+    generating); every proposer timed is reset on it and fed it before timing.
     """
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
-    out = target.prefill(prompt, tuple(proposer.hidden_state_indices))
-    proposer.reset(prompt, out.hidden or None)
-    committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
-    proposer.propose(committed, proposer.tree_size)  # feeds the context into the draft's own cache
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        proposer.propose(committed, proposer.tree_size)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    def __init__(self, target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...], seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
+        out = target.prefill(self.prompt, tuple(hidden_state_indices))
+        self.hidden = out.hidden or None
+        self.committed = torch.cat([self.prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
+        self.sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def seconds(self, proposer, repeats: int = 3) -> float:
+        """Median seconds of one propose() at the proposer's own size."""
+        proposer.reset(self.prompt, self.hidden)
+        proposer.propose(self.committed, proposer.tree_size)  # feeds the context into the draft's own cache
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            proposer.propose(self.committed, proposer.tree_size)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3) -> float:
+    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (see DraftTimer)."""
+    return DraftTimer(target, kv_length, proposer.hidden_state_indices).seconds(proposer, repeats)
 
 
 def _auto(target: TargetModel, options: HeadsOptions, expected_tau: Callable[[int], float],
-          make: Callable[[int], object], sizes: list[int], draft_grid: list[int]) -> SizeChoice:
+          make: Callable[[int], object], sizes: list[int], draft_grid: list[int],
+          timer: DraftTimer | None = None) -> SizeChoice:
     """Choose among `sizes`; draft time measured at `draft_grid` sizes and interpolated linearly."""
     curve = verify_cost_curve(target, kv_length=options.cost_kv_length, max_tokens=max(sizes) + 1, repeats=7)
-    measured = {n: measure_draft_seconds(make(n), target, options.cost_kv_length) for n in draft_grid}
+    if timer is None:
+        timer = DraftTimer(target, options.cost_kv_length, make(draft_grid[0]).hidden_state_indices)
+    measured = {n: timer.seconds(make(n)) for n in draft_grid}
     grid = sorted(measured)
 
     def draft_seconds(n: int) -> float:
@@ -258,19 +295,36 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
         if options.tree:
             raise ValueError("--tree is a static tree: pass --eagle_tree static with it")
 
-        def make(n: int) -> EagleProposer:
-            return cls(module, target.model, dynamic=DynamicTreeConfig(options.tree_depth, options.tree_top_k, n),
-                       sampling=sampling, seed=seed)
+        def make_shape(depth: int, top_k: int, n: int) -> EagleProposer:
+            return cls(module, target.model, dynamic=DynamicTreeConfig(depth, top_k, n), sampling=sampling, seed=seed)
 
-        if fixed is not None:
-            return HeadsProposer(make(fixed), config, fixed, None,
-                                 f"{name} dynamic tree depth {options.tree_depth} top_k {options.tree_top_k} total {fixed}")
-        taus = expected_accepted_lengths(need_table(), options.max_tree_size)
-        sizes = [n for n in sizes if n < len(taus)]
-        choice = _auto(target, options, lambda n: taus[n], make, sizes, [max(sizes)])
-        return HeadsProposer(make(choice.size), config, choice.size, choice,
-                             f"{name} dynamic tree depth {options.tree_depth} top_k {options.tree_top_k}, auto total "
-                             f"{choice.size}")
+        shapes = [(d, k) for d in options.depth_grid() for k in options.top_k_grid()]
+        if fixed is not None and len(shapes) == 1:
+            (d, k), = shapes
+            return HeadsProposer(make_shape(d, k, fixed), config, fixed, None,
+                                 f"{name} dynamic tree depth {d} top_k {k} total {fixed}")
+        table = need_table()
+        timer = DraftTimer(target, options.cost_kv_length, tuple(config.target_layers))
+        best: tuple[float, int, int, SizeChoice] | None = None
+        all_rows: list[dict[str, float]] = []
+        for d, k in shapes:  # the draft cost depends on (depth, top_k), not on total_tokens
+            taus = expected_accepted_lengths([row[:k] for row in table[:d]], options.max_tree_size)
+            candidates = [fixed] if fixed is not None else [n for n in sizes if n < len(taus)] or [1]
+            choice = _auto(target, options, lambda n, t=taus: t[min(n, len(t) - 1)],
+                           lambda n, d=d, k=k: make_shape(d, k, n), candidates, [max(candidates)], timer)
+            rate = next(r["tokens_per_second"] for r in choice.rows[1:] if r["size"] == choice.size)
+            for row in choice.rows[1:]:
+                row.update(depth=d, top_k=k)
+            all_rows += choice.rows[1:]
+            if best is None or rate > best[0]:
+                best = (rate, d, k, choice)
+        rate, d, k, choice = best
+        choice = SizeChoice(size=choice.size, rows=choice.rows[:1] + all_rows)  # row 0: plain; then every shape
+        if len(shapes) > 1:
+            notes.append(f"auto shape: depth {d}, top_k {k} among {len(shapes)} (depth, top_k) pairs")
+        return HeadsProposer(make_shape(d, k, choice.size), config, choice.size, choice,
+                             f"{name} dynamic tree depth {d} top_k {k}, "
+                             f"{'auto ' if fixed is None else ''}total {choice.size}", notes)
     raise ValueError(f"--heads: unsupported head kind {config.kind!r}")
 
 

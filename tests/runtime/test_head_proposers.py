@@ -492,3 +492,23 @@ def test_bench_heads_compares_methods(tmp_path):
     config.write_text(config.read_text().replace("tree_top_k: 2", "tree_top_k: 2, depth: 3"))
     with pytest.raises(ValueError, match="unknown key"):
         main(["--config", str(config)])
+
+
+def test_eagle_auto_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model, sigma = perm_target("llama")
+    heads = make_heads("eagle", model, sigma)
+    heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.85, 0.8], "top4_accuracy_per_depth": [0.95, 0.9, 0.9]}
+    built = proposer_from_heads(heads, TargetModel(model), HeadsOptions(tree_depth="auto", tree_top_k="auto",
+                                                                        max_tree_size=8, cost_kv_length=16),
+                                target_name="tiny-target")
+    shapes = {(r["depth"], r["top_k"]) for r in built.size_choice.rows[1:]}
+    assert shapes == {(d, k) for d in (2, 3, 4, 5, 6) for k in (2, 4, 8)}
+    best = max(built.size_choice.rows[1:], key=lambda r: r["tokens_per_second"])
+    config = built.proposer.dynamic
+    assert (config.depth, config.top_k, config.total_tokens) == (best["depth"], best["top_k"], best["size"])
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run_loop(model, built.proposer, prompt, 30)
+    assert torch.equal(tokens, reference(model, prompt, 30))
+    with pytest.raises(ValueError, match="--tree_depth"):
+        HeadsOptions(tree_depth="deep")
