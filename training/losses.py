@@ -4,6 +4,10 @@ One alignment rule for every method: the prediction of *depth d* (0-based) made 
 t + 2 + d (position t has already seen token t; the target's own LM head predicts t + 1). It counts iff
 `loss_mask[t + 2 + d] == 1` (assistant token, not padding) and t + 2 + d < T.
 
+Methods evaluate heads only where some depth has a label (`depth_targets(...).positions`): on chat data
+most tokens are prompt, and the vocabulary projection is the expensive part. The loss functions below take
+those gathered rows ([N, ...]) already aligned with their labels.
+
 Every function returns *sums* over the counted positions, never means: the training loop divides by one
 normaliser (the number of depth-0 labels in the whole global batch, across processes and accumulation
 steps), so a global batch gives the same loss and gradients however it is split over processes.
@@ -47,13 +51,33 @@ def depth_weights(num_depths: int, decay: float) -> list[float]:
     return [decay**d for d in range(num_depths)]
 
 
-def depth_targets(input_ids: Tensor, loss_mask: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-    """Labels and mask for the predictions of `depth` at positions 0..T-3-depth.
+def shift_left(x: Tensor, shift: int) -> Tensor:
+    """out[:, t] = x[:, t + shift], zeros past the end. [B, T, ...] -> [B, T, ...]."""
+    out = torch.zeros_like(x)
+    if shift < x.shape[1]:
+        out[:, : x.shape[1] - shift] = x[:, shift:]
+    return out
 
-    input_ids, loss_mask: [B, T] -> labels [B, T-2-depth] (token t+2+depth), mask [B, T-2-depth] bool.
+
+@dataclass
+class DepthTargets:
+    """Labels of depths 0..D-1 at the positions where at least one depth counts.
+
+    positions [B, T] bool; labels [D, N] int64 (token t+2+d at the n-th selected position t);
+    masks [D, N] bool (whether depth d counts there). N = positions.sum().
     """
-    shift = 2 + depth
-    return input_ids[:, shift:], loss_mask[:, shift:].bool()
+
+    positions: Tensor
+    labels: Tensor
+    masks: Tensor
+
+
+def depth_targets(input_ids: Tensor, loss_mask: Tensor, num_depths: int) -> DepthTargets:
+    """input_ids, loss_mask [B, T] -> DepthTargets for `num_depths` depths."""
+    masks = torch.stack([shift_left(loss_mask, 2 + d).bool() for d in range(num_depths)])  # [D, B, T]
+    positions = masks.any(0)
+    labels = torch.stack([shift_left(input_ids, 2 + d)[positions] for d in range(num_depths)])
+    return DepthTargets(positions, labels, masks[:, positions])
 
 
 def label_count(loss_mask: Tensor) -> Tensor:
@@ -62,9 +86,9 @@ def label_count(loss_mask: Tensor) -> Tensor:
 
 
 def topk_hits(logits: Tensor, labels: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-1 and top-k hit counts. logits [B, S, V], labels [B, S], mask [B, S] bool -> two scalars."""
+    """Top-1 and top-k hit counts. logits [..., V], labels [...], mask [...] bool -> two scalars."""
     with torch.no_grad():
-        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [B, S, k]
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [..., k]
         hit = top == labels.unsqueeze(-1)
         top1 = (hit[..., 0] & mask).sum()
         topk = (hit.any(-1) & mask).sum()
@@ -72,43 +96,42 @@ def topk_hits(logits: Tensor, labels: Tensor, mask: Tensor, k: int) -> tuple[Ten
 
 
 def token_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
-    """Sum of CE over counted positions (fp32). logits [B, S, V], labels [B, S], mask [B, S] bool -> scalar."""
-    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    return (losses * mask.flatten()).sum()
+    """Sum of CE over counted positions (fp32). logits [..., V], labels [...], mask [...] bool -> scalar."""
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1)).sum()
 
 
 def soft_cross_entropy(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
-    """Sum over counted positions of -sum_v p(v) log q(v). logits, target_probs [B, S, V]; mask [B, S]."""
+    """Sum over counted positions of -sum_v p(v) log q(v). logits, target_probs [..., V]; mask [...]."""
     losses = -(target_probs.float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)
     return (losses * mask).sum()
 
 
 def feature_regression(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:
-    """Sum over counted positions of the smooth-L1 loss averaged over the hidden size. [B, S, H] -> scalar."""
+    """Sum over counted positions of the smooth-L1 loss averaged over the hidden size. [..., H] -> scalar."""
     losses = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
     return (losses * mask).sum()
 
 
 def kl_to_reference(logits: Tensor, reference_logits: Tensor, mask: Tensor) -> Tensor:
-    """Sum over counted positions of KL(reference || model). logits, reference_logits [B, S, V]; mask [B, S]."""
+    """Sum over counted positions of KL(reference || model). logits, reference_logits [..., V]; mask [...]."""
     log_q = F.log_softmax(logits.float(), dim=-1)
     log_p = F.log_softmax(reference_logits.float(), dim=-1)
     losses = (log_p.exp() * (log_p - log_q)).sum(-1)
     return (losses * mask).sum()
 
 
-def depth_cross_entropy(depth_logits: list[Tensor], input_ids: Tensor, loss_mask: Tensor, decay: float,
-                        top_k: int) -> LossOutput:
-    """Medusa heads and MTP depths: CE of depth d's logits at t against token t+2+d, weighted decay**d.
+def depth_cross_entropy(depth_logits: list[Tensor], targets: DepthTargets, decay: float, top_k: int
+                        ) -> LossOutput:
+    """Medusa heads and MTP depths: CE of depth d's logits against token t+2+d, weighted decay**d.
 
-    depth_logits: D tensors [B, T, V] (position t of depth d predicts token t+2+d); input_ids, loss_mask [B, T].
+    depth_logits: D tensors [N, V], the logits of depth d at `targets.positions`.
     """
     total = depth_logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     for depth, (logits, weight) in enumerate(zip(depth_logits, depth_weights(len(depth_logits), decay),
                                                  strict=True)):
-        labels, mask = depth_targets(input_ids, loss_mask, depth)
-        logits = logits[:, : labels.shape[1]]
+        labels, mask = targets.labels[depth], targets.masks[depth]
         loss = token_cross_entropy(logits, labels, mask)
         total = total + weight * loss
         stats.append((loss, *topk_hits(logits, labels, mask, top_k), mask.sum()))
@@ -126,47 +149,41 @@ def lm_distillation(logits: Tensor, reference_logits: Tensor, loss_mask: Tensor)
 
 
 def eagle_step_loss(predicted_hidden: Tensor, predicted_logits: Tensor, target_hidden: Tensor,
-                    target_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, step: int, top_k: int
+                    target_logits: Tensor, labels: Tensor, mask: Tensor, top_k: int
                     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """EAGLE-1/2 losses of unroll step `step` (0 = the teacher-forced step).
+    """EAGLE-1/2 losses of one unroll step s, on N gathered positions t.
 
-    The draft output at t of step s stands for the target feature f_{t+1+s}; its logits (through the frozen
-    LM head) predict token t+2+s, and the target's distribution for that token is softmax(target_logits at
-    t+1+s). predicted_hidden [B, T, H], predicted_logits [B, T, V], target_hidden [B, T, H] (target hs[-1]),
-    target_logits [B, T, V] (LM head of target_hidden), input_ids / loss_mask [B, T].
+    predicted_hidden [N, H]: the draft output at t, standing for the target feature f_{t+1+s};
+    predicted_logits [N, V]: its logits through the frozen LM head (token t+2+s);
+    target_hidden [N, H]: f_{t+1+s} (target hs[-1]); target_logits [N, V]: LM head of target_hidden;
+    labels [N] token t+2+s; mask [N] bool.
     Returns (feature-regression sum, soft-CE sum, (top-1 hits, top-k hits, count)).
     """
-    labels, mask = depth_targets(input_ids, loss_mask, step)
-    length = labels.shape[1]
-    feature = feature_regression(predicted_hidden[:, :length], target_hidden[:, 1 + step: 1 + step + length],
-                                 mask)
-    target_probs = torch.softmax(target_logits[:, 1 + step: 1 + step + length].float(), dim=-1)
-    token = soft_cross_entropy(predicted_logits[:, :length], target_probs, mask)
-    return feature, token, (*topk_hits(predicted_logits[:, :length], labels, mask, top_k), mask.sum())
+    feature = feature_regression(predicted_hidden, target_hidden, mask)
+    token = soft_cross_entropy(predicted_logits, torch.softmax(target_logits.float(), dim=-1), mask)
+    return feature, token, (*topk_hits(predicted_logits, labels, mask, top_k), mask.sum())
 
 
-def eagle3_step_loss(draft_logits: Tensor, target_logits: Tensor, input_ids: Tensor, loss_mask: Tensor,
-                     draft_to_target: Tensor, target_in_draft: Tensor, step: int, top_k: int
+def eagle3_step_loss(draft_logits: Tensor, target_logits: Tensor, labels: Tensor, mask: Tensor,
+                     draft_to_target: Tensor, target_in_draft: Tensor, top_k: int
                      ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """EAGLE-3 soft CE over the draft vocabulary for unroll step `step`.
+    """EAGLE-3 soft CE over the draft vocabulary for one unroll step s, on N gathered positions t.
 
-    draft_logits [B, T, Vd] at t predict token t+2+step; target_logits [B, T, V] (target LM head on hs[-1]);
-    draft_to_target [Vd] int64 target id of each draft id; target_in_draft [V] bool (t2d).
-    The target distribution is softmax over the draft vocabulary of the target logits at t+1+step; positions
+    draft_logits [N, Vd] predict token t+2+s; target_logits [N, V] (target LM head on hs[-1] at t+1+s);
+    labels [N] token t+2+s; mask [N] bool; draft_to_target [Vd] int64 target id of each draft id;
+    target_in_draft [V] bool (t2d).
+    The target distribution is softmax over the draft vocabulary of the target logits; positions
     whose target argmax is outside the draft vocabulary are left out of the loss (the draft cannot express
     them) but still count as misses in the accuracy, which compares the draft's top tokens, mapped to target
     ids, with the label token.
     Returns (soft-CE sum, (top-1 hits, top-k hits, count)).
     """
-    labels, mask = depth_targets(input_ids, loss_mask, step)
-    length = labels.shape[1]
-    target = target_logits[:, 1 + step: 1 + step + length].float()  # [B, S, V]
+    target = target_logits.float()
     expressible = mask & target_in_draft[target.argmax(-1)]
-    target_probs = torch.softmax(target[..., draft_to_target], dim=-1)  # [B, S, Vd]
-    logits = draft_logits[:, :length]
-    loss = soft_cross_entropy(logits, target_probs, expressible)
+    target_probs = torch.softmax(target[..., draft_to_target], dim=-1)  # [N, Vd]
+    loss = soft_cross_entropy(draft_logits, target_probs, expressible)
     with torch.no_grad():
-        top = draft_to_target[logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices]  # [B, S, k]
+        top = draft_to_target[draft_logits.topk(min(top_k, draft_logits.shape[-1]), dim=-1).indices]  # [N, k]
         hit = top == labels.unsqueeze(-1)
         hits = ((hit[..., 0] & mask).sum(), (hit.any(-1) & mask).sum(), mask.sum())
     return loss, hits

@@ -28,11 +28,13 @@ from training.losses import (
     DepthStats,
     LossOutput,
     depth_cross_entropy,
+    depth_targets,
     depth_weights,
     eagle3_step_loss,
     eagle_step_loss,
     lm_cross_entropy,
     lm_distillation,
+    shift_left,
 )
 
 
@@ -58,14 +60,6 @@ def apply_head(module: nn.Module, x: Tensor) -> Tensor:
     return module(x.to(module.weight.dtype))
 
 
-def shifted_tokens(input_ids: Tensor, shift: int, pad: int) -> Tensor:
-    """Token t+shift at position t (pad beyond the end). [B, T] -> [B, T]."""
-    out = torch.full_like(input_ids, pad)
-    if shift < input_ids.shape[1]:
-        out[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
-    return out
-
-
 def unroll_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Training-time-test mask [1, 1, T, (step + 1) T] for unroll step `step`.
 
@@ -79,19 +73,20 @@ def unroll_mask(length: int, step: int, dtype: torch.dtype, device: torch.device
     return mask[None, None]
 
 
-def unroll_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, steps: int, pad: int,
+def unroll_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, steps: int,
                  embed_tokens: nn.Module) -> list[Tensor]:
     """Run an EAGLE-style draft `steps` times on its own outputs; returns the output [B, T, H] of each step.
 
-    Step s at position t reads token t+1+s and (s = 0) `first_hidden` at t or (s > 0) the step s-1 output at
-    t, at RoPE position t+s, attending as `unroll_mask` says.
+    Step s at position t reads token t+1+s (0 past the end; those positions never count) and (s = 0)
+    `first_hidden` at t or (s > 0) the step s-1 output at t, at RoPE position t+s, attending as
+    `unroll_mask` says.
     """
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
     hidden, cache, outputs = first_hidden, None, []
     for step in range(steps):
         mask = None if step == 0 else unroll_mask(length, step, hidden.dtype, hidden.device).expand(batch, -1, -1, -1)
-        out = draft(hidden, shifted_tokens(input_ids, 1 + step, pad), embed_tokens=embed_tokens,
+        out = draft(hidden, shift_left(input_ids, 1 + step), embed_tokens=embed_tokens,
                     position_ids=positions + step, attention_mask=mask, past_key_value=cache)
         cache, hidden = out.past_key_value, out.hidden_states
         outputs.append(hidden)
@@ -120,8 +115,10 @@ class MedusaTraining(nn.Module):
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         (hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
-        logits = self.heads(hidden.to(self.heads.heads[0][-1].weight.dtype))  # [K, B, T, V]
-        return depth_cross_entropy(list(logits), batch["input_ids"], batch["loss_mask"], self.decay, self.top_k)
+        targets = depth_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        selected = hidden[targets.positions].to(self.heads.heads[0][-1].weight.dtype)  # [N, H]
+        logits = self.heads(selected[None])[:, 0]  # [K, N, V]
+        return depth_cross_entropy(list(logits), targets, self.decay, self.top_k)
 
 
 class Medusa2Training(nn.Module):
@@ -139,9 +136,9 @@ class Medusa2Training(nn.Module):
         config = self.config
         out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           output_hidden_states=True, use_cache=False)
-        hidden = out.hidden_states[-1]
-        heads_logits = self.heads(hidden.to(self.heads.heads[0][-1].weight.dtype))
-        heads = depth_cross_entropy(list(heads_logits), batch["input_ids"], batch["loss_mask"], config.head_decay,
+        targets = depth_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        selected = out.hidden_states[-1][targets.positions].to(self.heads.heads[0][-1].weight.dtype)  # [N, H]
+        heads = depth_cross_entropy(list(self.heads(selected[None])[:, 0]), targets, config.head_decay,
                                     config.eval_top_k)
         lm = lm_cross_entropy(out.logits, batch["input_ids"], batch["loss_mask"])
         total = config.heads_loss_weight * heads.loss + config.lm_loss_weight * lm
@@ -166,7 +163,6 @@ class EagleTraining(nn.Module):
         self.last_layer = target.config.get_text_config().num_hidden_layers
         self.feature_layers = [self.last_layer]
         self.config = config
-        self.pad = 0
 
     @property
     def heads(self) -> HeadsModule:
@@ -176,21 +172,23 @@ class EagleTraining(nn.Module):
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
         (target_hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
-        dtype = self.draft.fc.weight.dtype
-        features = target_hidden.to(dtype)
-        with torch.no_grad():
-            target_logits = apply_head(frozen.lm_head, target_hidden)
+        features = target_hidden.to(self.draft.fc.weight.dtype)
         if train and config.feature_noise > 0:
             noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
             features = features + (noise - 0.5) * config.feature_noise
         steps = 1 if train else config.eval_depth
-        outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, self.pad, frozen.embed_tokens)
+        outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens)
+        targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
         for step, predicted in enumerate(outputs):
-            logits = apply_head(frozen.lm_head, predicted)
-            feature, token, hits = eagle_step_loss(predicted, logits, target_hidden, target_logits,
-                                                   batch["input_ids"], batch["loss_mask"], step, config.eval_top_k)
+            predicted = predicted[targets.positions]  # [N, H]
+            wanted = shift_left(target_hidden, 1 + step)[targets.positions]  # f_{t+1+s}
+            with torch.no_grad():
+                target_logits = apply_head(frozen.lm_head, wanted)
+            feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted), wanted,
+                                                   target_logits, targets.labels[step], targets.masks[step],
+                                                   config.eval_top_k)
             step_loss = config.feature_loss_weight * feature + config.token_loss_weight * token
             total = total + step_loss
             stats.append((step_loss, *hits))
@@ -208,7 +206,6 @@ class Eagle3Training(nn.Module):
         self._target = _FrozenTarget(target)
         self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
         self.config = config
-        self.pad = 0
 
     @property
     def heads(self) -> HeadsModule:
@@ -218,21 +215,21 @@ class Eagle3Training(nn.Module):
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
         *three, last = target_hidden_states(self._target.model, batch, self.feature_layers)
-        dtype = self.draft.fc.weight.dtype
-        with torch.no_grad():
-            target_logits = apply_head(frozen.lm_head, last)
-        first = self.draft.project(torch.cat(three, dim=-1).to(dtype))
+        first = self.draft.project(torch.cat(three, dim=-1).to(self.draft.fc.weight.dtype))
         steps = config.ttt_steps if train else config.eval_depth
-        outputs = unroll_draft(self.draft, first, batch["input_ids"], steps, self.pad, frozen.embed_tokens)
+        outputs = unroll_draft(self.draft, first, batch["input_ids"], steps, frozen.embed_tokens)
+        targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
         total = first.new_zeros((), dtype=torch.float32)
         stats = []
         for step, (predicted, weight) in enumerate(zip(outputs, depth_weights(steps, config.head_decay),
                                                        strict=True)):
-            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted), target_logits, batch["input_ids"],
-                                          batch["loss_mask"], draft_to_target, self.draft.t2d, step,
-                                          config.eval_top_k)
+            with torch.no_grad():
+                target_logits = apply_head(frozen.lm_head, shift_left(last, 1 + step)[targets.positions])
+            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted[targets.positions]), target_logits,
+                                          targets.labels[step], targets.masks[step], draft_to_target,
+                                          self.draft.t2d, config.eval_top_k)
             total = total + weight * loss
             stats.append((loss, *hits))
         return LossOutput(total, DepthStats.stack(stats), {})
@@ -248,7 +245,6 @@ class MTPTraining(nn.Module):
         self.last_layer = target.config.get_text_config().num_hidden_layers
         self.feature_layers = [self.last_layer]
         self.config = config
-        self.pad = 0
 
     @property
     def heads(self) -> HeadsModule:
@@ -261,16 +257,14 @@ class MTPTraining(nn.Module):
         hidden = hidden.to(self.mtp.layers[0].eh_proj.weight.dtype)
         input_ids = batch["input_ids"]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        targets = depth_targets(input_ids, batch["loss_mask"], self.mtp.num_depths)
         logits = []
         for depth in range(self.mtp.num_depths):
-            hidden = self.mtp(hidden, shifted_tokens(input_ids, depth + 1, self.pad), depth=depth,
+            hidden = self.mtp(hidden, shift_left(input_ids, depth + 1), depth=depth,
                               embed_tokens=frozen.embed_tokens, position_ids=positions).hidden_states
-            logits.append(self.mtp.compute_logits(hidden.to(frozen.lm_head.weight.dtype), depth=depth,
+            logits.append(self.mtp.compute_logits(hidden[targets.positions], depth=depth,
                                                   lm_head=frozen.lm_head))
-        return depth_cross_entropy(logits, input_ids, batch["loss_mask"], self.config.head_decay,
-                                   self.config.eval_top_k)
-
-
+        return depth_cross_entropy(logits, targets, self.config.head_decay, self.config.eval_top_k)
 def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
     """The HeadsConfig of `--method` for this target (ValueError from HeadsConfig names a bad option)."""
     if config.method in ("eagle", "eagle3") and config.num_layers != 1:

@@ -13,8 +13,8 @@ from heads.config import HeadsConfig
 from tests.tiny_models import tiny_config
 from training.evaluation import depth_metrics, expected_acceptance_length
 from training.loop import cosine_with_warmup, shard_rows, total_steps
-from training.losses import depth_cross_entropy, eagle3_step_loss, label_count
-from training.methods import shifted_tokens, unroll_draft, unroll_mask
+from training.losses import depth_cross_entropy, depth_targets, eagle3_step_loss, label_count, shift_left
+from training.methods import unroll_draft, unroll_mask
 
 
 def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
@@ -23,7 +23,8 @@ def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
     ids = torch.randint(0, vocab, (batch, length))
     mask = torch.randint(0, 2, (batch, length))
     logits = [torch.randn(batch, length, vocab) for _ in range(depths)]
-    out = depth_cross_entropy(logits, ids, mask, decay=0.5, top_k=2)
+    targets = depth_targets(ids, mask, depths)
+    out = depth_cross_entropy([x[targets.positions] for x in logits], targets, decay=0.5, top_k=2)
     expected_total = 0.0
     for d in range(depths):
         want, count = 0.0, 0
@@ -43,9 +44,13 @@ def test_losses_are_sums_so_a_split_batch_adds_up():
     torch.manual_seed(1)
     ids, mask = torch.randint(0, 7, (4, 8)), torch.ones(4, 8, dtype=torch.long)
     logits = [torch.randn(4, 8, 7) for _ in range(2)]
-    whole = depth_cross_entropy(logits, ids, mask, 0.8, 1)
-    halves = [depth_cross_entropy([x[s] for x in logits], ids[s], mask[s], 0.8, 1)
-              for s in (slice(0, 1), slice(1, 4))]
+
+    def loss(rows: slice):
+        targets = depth_targets(ids[rows], mask[rows], 2)
+        return depth_cross_entropy([x[rows][targets.positions] for x in logits], targets, 0.8, 1)
+
+    whole = loss(slice(0, 4))
+    halves = [loss(rows) for rows in (slice(0, 1), slice(1, 4))]
     assert whole.loss.item() == pytest.approx(sum(h.loss.item() for h in halves), rel=1e-6)
 
 
@@ -64,7 +69,8 @@ def test_depth_metrics_names_and_tau():
     wrong = torch.zeros(1, 6, 5)
     wrong[..., 1], wrong[..., 0] = 1.0, 0.5  # token 0 second
     ids = torch.zeros(1, 6, dtype=torch.long)
-    out = depth_cross_entropy([right, wrong], ids, torch.ones(1, 6, dtype=torch.long), 1.0, 2)
+    targets = depth_targets(ids, torch.ones(1, 6, dtype=torch.long), 2)
+    out = depth_cross_entropy([right[targets.positions], wrong[targets.positions]], targets, 1.0, 2)
     metrics = depth_metrics(out.depth, 2)
     assert (metrics["eval/top1_d0"], metrics["eval/top1_d1"], metrics["eval/top2_d1"]) == (1.0, 0.0, 1.0)
     assert metrics["eval/acceptance_length"] == 2.0
@@ -73,21 +79,30 @@ def test_depth_metrics_names_and_tau():
 
 
 def test_eagle3_loss_skips_inexpressible_targets_but_counts_them_as_misses():
-    vocab, draft_vocab = 6, 3
+    vocab = 6
     draft_to_target = torch.tensor([0, 2, 4])
     in_draft = torch.zeros(vocab, dtype=torch.bool)
     in_draft[draft_to_target] = True
-    ids = torch.tensor([[0, 0, 2, 5]])  # labels at t=0,1: tokens 2 and 5 (5 is not in the draft vocab)
-    target_logits = torch.full((1, 4, vocab), -10.0)
-    target_logits[0, 1, 2] = 10.0  # the target says 2 (in draft vocab) for token 2
-    target_logits[0, 2, 5] = 10.0  # and 5 (outside) for token 3
-    draft_logits = torch.zeros(1, 4, draft_vocab)
-    draft_logits[0, :, 1] = 5.0  # draft says draft id 1 = target id 2 everywhere
-    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_logits, ids, torch.ones(1, 4), draft_to_target,
-                                                in_draft, step=0, top_k=1)
+    labels = torch.tensor([2, 5])  # 5 is not in the draft vocabulary
+    target_logits = torch.full((2, vocab), -10.0)
+    target_logits[0, 2] = 10.0
+    target_logits[1, 5] = 10.0
+    draft_logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0]])  # draft id 1 = target id 2 everywhere
+    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_logits, labels, torch.ones(2, dtype=torch.bool),
+                                                draft_to_target, in_draft, top_k=1)
     assert (top1.item(), count.item()) == (1, 2)
-    only_first = -torch.log_softmax(draft_logits[0, 0], -1) @ torch.softmax(target_logits[0, 1, draft_to_target], -1)
+    only_first = -torch.log_softmax(draft_logits[0], -1) @ torch.softmax(target_logits[0, draft_to_target], -1)
     assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
+
+
+def test_depth_targets_select_positions_with_any_label():
+    ids = torch.arange(8)[None]
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 0]])
+    targets = depth_targets(ids, mask, 2)
+    assert targets.positions[0].nonzero().flatten().tolist() == [2, 3, 4]  # t + 2 + d in {5, 6}
+    assert targets.labels.tolist() == [[4, 5, 6], [5, 6, 7]]
+    assert targets.masks.tolist() == [[False, True, True], [True, True, False]]
+    assert shift_left(ids, 3).tolist() == [[3, 4, 5, 6, 7, 0, 0, 0]]
 
 
 def test_cosine_with_warmup_schedule():
@@ -126,9 +141,9 @@ def test_unrolled_training_equals_sequential_drafting(kind):
     ids = torch.randint(0, target.vocab_size, (1, length))
     features = torch.randn(1, length, target.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        unrolled = unroll_draft(draft, features, ids, steps, pad=0, embed_tokens=embed)
+        unrolled = unroll_draft(draft, features, ids, steps, embed_tokens=embed)
         for start in range(length - steps):
-            prefix = draft(features[:, : start + 1], shifted_tokens(ids, 1, 0)[:, : start + 1], embed_tokens=embed,
+            prefix = draft(features[:, : start + 1], shift_left(ids, 1)[:, : start + 1], embed_tokens=embed,
                            position_ids=torch.arange(start + 1)[None])
             assert torch.allclose(prefix.hidden_states[0, start], unrolled[0][0, start], atol=1e-10)
             hidden, cache = prefix.hidden_states[:, -1:], prefix.past_key_value
