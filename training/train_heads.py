@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,15 @@ def heads_metrics(eval_metrics: dict[str, float], config: TrainConfig, step: int
         "training_method": config.method,
         "training_steps": step,
     }
+
+
+def resource_metrics(accelerator: Accelerator, steps: int, global_batch: int, seconds: float) -> dict[str, float]:
+    """Training throughput of this run (evaluation and checkpoints included) and peak memory of this process."""
+    metrics = {"train/seconds": seconds, "train/samples_per_second": steps * global_batch / max(seconds, 1e-9),
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if accelerator.device.type == "cuda":
+        metrics["peak_gpu_memory_mb"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**20
+    return metrics
 
 
 def log_line(config: TrainConfig, record: dict[str, Any]) -> None:
@@ -206,9 +216,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save_checkpoint(accelerator, config, state)
     progress.close()
 
+    train_seconds = time.perf_counter() - started
+
     # 5. Final evaluation, heads directory (+ adapter / merged target for Medusa-2), Hub.
     eval_metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
-    final = {"step": state.step, **eval_metrics}
+    final = {"step": state.step, **eval_metrics, **resource_metrics(accelerator, state.step - started_step,
+                                                                   global_batch, train_seconds)}
     accelerator.log(final, step=state.step)
     heads_dir = Path(config.heads_dir or Path(config.output_dir) / "heads")
     accelerator.wait_for_everyone()
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 merged.save_pretrained(Path(config.output_dir) / "merged")
         accelerator.print(f"heads saved to {heads_dir}: top-1 per depth "
                           f"{heads.config.metrics['top1_accuracy_per_depth']}, expected acceptance length "
-                          f"{heads.config.metrics['expected_acceptance_length']}")
+                          f"{heads.config.metrics['expected_acceptance_length']}; "
+                          f"{final['train/samples_per_second']:.2f} samples/s, peak RSS {final['peak_rss_mb']:.0f} MB")
         if config.push_to_hub:
             url = push_directory(heads_dir, config.push_to_hub, private=config.hub_private)
             accelerator.print(f"pushed {heads_dir} to {url}")

@@ -69,3 +69,14 @@ def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_good_checkpoint(
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept[-1] == f"step_{step - 1:08d}"  # the last good step's checkpoint; nothing after it
     assert not (out / "heads").exists()
+
+
+def test_push_to_hub_uploads_the_heads_directory(main, train_args, tmp_path, monkeypatch):
+    import training.train_heads as entry
+
+    pushed = []
+    monkeypatch.setattr(entry, "push_directory", lambda directory, repo_id, private: pushed.append(
+        (directory, repo_id, private, sorted(p.name for p in directory.iterdir()))) or "https://hub/commit")
+    final = main(train_args("mtp", tmp_path / "run", max_steps=2, push_to_hub="me/mtp-heads", hub_private="true"))
+    assert pushed == [(tmp_path / "run" / "heads", "me/mtp-heads", True, ["README.md", "config.json", "model.safetensors"])]
+    assert final["peak_rss_mb"] > 0 and final["train/samples_per_second"] > 0
