@@ -35,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from data.distill import tokenizer_hash
 from data.runfiles import atomic_write_json, check_run_identity, parse_config, process_state
 from heads.loading import load_model, load_tokenizer, parse_dtype
 
@@ -161,8 +162,6 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
     """Write (or resume writing) the features of config.dataset into config.output_dir; returns the index."""
     import datasets
     from tqdm.auto import tqdm
-
-    from data.distill import tokenizer_hash
 
     state = process_state()
     dataset_dir = Path(config.dataset)
