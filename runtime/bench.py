@@ -97,6 +97,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
         raise ValueError(f"--attn_implementation {gen_args.attn_implementation}: an attention backend that "
                          f"ignores custom masks cannot verify candidate trees; use one of {SUPPORTED_ATTENTION}")
     gen_args.resolved_method()
+    gen_args.decode_config()  # validates --max_new_tokens, sampling and speculation flags before any loading
     return gen_args, bench_args
 
 

@@ -70,5 +70,7 @@ def test_config_yaml_gives_defaults_and_rejects_unknown_keys(tmp_path):
         parse_arguments(["--prompt", "hello"])
     with pytest.raises(ValueError, match="--repeats"):
         parse_arguments(["--repeats", "0"])
+    with pytest.raises(ValueError, match="--max_new_tokens"):
+        parse_arguments(["--max_new_tokens", "0"])
     with pytest.raises(ValueError, match="--method"):
         parse_arguments(["--method", "medusa"])
