@@ -10,7 +10,8 @@ every method of the config. For each method it writes `<output_dir>/<name>.json`
 transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
 num_threads, warmup_tokens, methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
-fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length}.
+fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
+takes num_speculative_tokens (default 5)}. Each drafter's per-step budget is its own size.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class MethodSpec:
     heads: str | None = None
     method: str = "heads"
     options: HeadsOptions = field(default_factory=HeadsOptions)
+    num_speculative_tokens: int = 5  # prompt lookup's draft length (head drafters size themselves)
 
 
 def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec]:
@@ -61,7 +63,7 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
     for entry in entries:
         if not isinstance(entry, dict) or "name" not in entry:
             raise ValueError(f"{source}: every method needs a 'name', got {entry!r}")
-        unknown = sorted(set(entry) - {"name", "heads", "method"} - _OPTION_KEYS)
+        unknown = sorted(set(entry) - {"name", "heads", "method", "num_speculative_tokens"} - _OPTION_KEYS)
         if unknown:
             raise ValueError(f"{source}: method {entry['name']!r}: unknown key(s) {unknown}")
         method = entry.get("method", "heads")
@@ -71,7 +73,8 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
             raise ValueError(f"{source}: method {entry['name']!r}: needs 'heads' (directory or Hub id)")
         options = HeadsOptions(**{k: (str(v) if k == "tree_size" else v) for k, v in entry.items()
                                   if k in _OPTION_KEYS})
-        specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options))
+        specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options,
+                                int(entry.get("num_speculative_tokens", 5))))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"{source}: method names must be unique, got {names}")
@@ -99,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_prompts = args.max_prompts or int(config.get("max_prompts", 8))
     output_dir = Path(config.get("output_dir", "outputs/bench/heads"))
     torch.set_num_threads(int(config.get("num_threads", 1)))
-    decode = DecodeConfig(max_new_tokens=int(config.get("max_new_tokens", 128)),
-                          speculation=SpeculationConfig(num_speculative_tokens=1024, max_speculative_tokens=1024))
+    decode = DecodeConfig(max_new_tokens=int(config.get("max_new_tokens", 128)))
     warmup = dataclasses.replace(decode, max_new_tokens=min(int(config.get("warmup_tokens", 16)),
                                                             decode.max_new_tokens))
 
@@ -110,14 +112,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]
-    proposers, built_info = {}, {}
+    proposers, built_info, budgets = {}, {}, {}
     for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
         if spec.method == "prompt_lookup":
             proposers[spec.name] = PromptLookupProposer()
-            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, 1024-token budget)"}
+            budgets[spec.name] = spec.num_speculative_tokens
+            built_info[spec.name] = {"description": f"prompt lookup (n-gram 1..3, k = {spec.num_speculative_tokens})"}
             continue
         built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
         proposers[spec.name] = built.proposer
+        budgets[spec.name] = built.size
         built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
                                  "auto_rows": built.size_choice.rows if built.size_choice else None}
         print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
@@ -125,15 +129,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
     run_hf(model, encoded[0], _hf_config(model, warmup), None)
-    for proposer in proposers.values():
-        run_ours(target, proposer, encoded[0], warmup)
+    def limited(config: DecodeConfig, name: str) -> DecodeConfig:
+        return dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=budgets[name],
+                                                                         max_speculative_tokens=budgets[name]))
+
+    for name, proposer in proposers.items():
+        run_ours(target, proposer, encoded[0], limited(warmup, name))
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
     for i, ids in enumerate(encoded):
         plain = run_ours(target, Autoregressive(), ids, decode)
         hf = run_hf(model, ids, gen_config, None)
         for name, proposer in proposers.items():
-            run = run_ours(target, proposer, ids, decode)
+            run = run_ours(target, proposer, ids, limited(decode, name))
             records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
             stats[name].append(run.stats)
             r = records[name][-1]
