@@ -60,6 +60,27 @@ def apply_head(module: nn.Module, x: Tensor) -> Tensor:
     return module(x.to(module.weight.dtype))
 
 
+class ShiftedRows:
+    """Rows of x at t + 1 + s for the selected positions t, for every unroll step s, with a per-row function
+    (the frozen LM head) applied once per needed row instead of once per step.
+
+    x [B, T, H]; positions [B, T] bool; `rows(s)` -> f(x[:, t + 1 + s]) at the positions, [N, ...]; rows past
+    the end of the sequence come back as some valid row (those positions are masked by the caller).
+    """
+
+    def __init__(self, x: Tensor, positions: Tensor, steps: int, function: Callable[[Tensor], Tensor]) -> None:
+        needed = torch.zeros_like(positions)
+        for step in range(steps):
+            needed[:, 1 + step:] |= positions[:, : max(positions.shape[1] - 1 - step, 0)]
+        self.index = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
+        self.index[needed] = torch.arange(int(needed.sum()), device=positions.device)
+        self.values = function(x[needed])  # [M, ...]
+        self.positions = positions
+
+    def rows(self, step: int) -> Tensor:
+        return self.values[shift_left(self.index, 1 + step)[self.positions].clamp(min=0)]
+
+
 def unroll_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Training-time-test mask [1, 1, T, (step + 1) T] for unroll step `step`.
 
@@ -179,16 +200,17 @@ class EagleTraining(nn.Module):
         steps = 1 if train else config.eval_depth
         outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
+        wanted = ShiftedRows(target_hidden, targets.positions, steps, lambda x: x)  # f_{t+1+s}
+        with torch.no_grad():
+            wanted_logits = ShiftedRows(target_hidden, targets.positions, steps,
+                                        lambda x: apply_head(frozen.lm_head, x))
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
         for step, predicted in enumerate(outputs):
             predicted = predicted[targets.positions]  # [N, H]
-            wanted = shift_left(target_hidden, 1 + step)[targets.positions]  # f_{t+1+s}
-            with torch.no_grad():
-                target_logits = apply_head(frozen.lm_head, wanted)
-            feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted), wanted,
-                                                   target_logits, targets.labels[step], targets.masks[step],
-                                                   config.eval_top_k)
+            feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted),
+                                                   wanted.rows(step), wanted_logits.rows(step),
+                                                   targets.labels[step], targets.masks[step], config.eval_top_k)
             step_loss = config.feature_loss_weight * feature + config.token_loss_weight * token
             total = total + step_loss
             stats.append((step_loss, *hits))
@@ -221,13 +243,14 @@ class Eagle3Training(nn.Module):
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
+        with torch.no_grad():
+            target_logits = ShiftedRows(last, targets.positions, steps, lambda x: apply_head(frozen.lm_head, x))
         total = first.new_zeros((), dtype=torch.float32)
         stats = []
         for step, (predicted, weight) in enumerate(zip(outputs, depth_weights(steps, config.head_decay),
                                                        strict=True)):
-            with torch.no_grad():
-                target_logits = apply_head(frozen.lm_head, shift_left(last, 1 + step)[targets.positions])
-            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted[targets.positions]), target_logits,
+            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted[targets.positions]),
+                                          target_logits.rows(step),
                                           targets.labels[step], targets.masks[step], draft_to_target,
                                           self.draft.t2d, config.eval_top_k)
             total = total + weight * loss

@@ -14,7 +14,7 @@ from tests.tiny_models import tiny_config
 from training.evaluation import depth_metrics, expected_acceptance_length
 from training.loop import cosine_with_warmup, shard_rows, total_steps
 from training.losses import depth_cross_entropy, depth_targets, eagle3_step_loss, label_count, shift_left
-from training.methods import unroll_draft, unroll_mask
+from training.methods import ShiftedRows, unroll_draft, unroll_mask
 
 
 def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
@@ -152,3 +152,15 @@ def test_unrolled_training_equals_sequential_drafting(kind):
                             position_ids=torch.tensor([[start + step]]), past_key_value=cache)
                 assert torch.allclose(out.hidden_states[0, 0], unrolled[step][0, start], atol=1e-10), (start, step)
                 hidden, cache = out.hidden_states, out.past_key_value
+
+
+def test_shifted_rows_equal_shifting_then_selecting():
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 4)
+    mask = torch.randint(0, 2, (2, 9))
+    targets = depth_targets(torch.zeros(2, 9, dtype=torch.long), mask, 3)
+    rows = ShiftedRows(x, targets.positions, 3, lambda v: v * 2)
+    for step in range(3):
+        want = (2 * shift_left(x, 1 + step))[targets.positions]
+        counted = targets.masks[step]
+        assert torch.equal(rows.rows(step)[counted], want[counted])
