@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
     run_hf(model, encoded[0], _hf_config(model, warmup), None)
     def limited(config: DecodeConfig, name: str) -> DecodeConfig:
-        return dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=budgets[name],
-                                                                         max_speculative_tokens=budgets[name]))
+        budget = budgets[name]  # 0 when an auto size turned speculation off
+        return dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=budget,
+                                                                         max_speculative_tokens=max(budget, 1)))
 
     for name, proposer in proposers.items():
         run_ours(target, proposer, encoded[0], limited(warmup, name))

@@ -34,6 +34,7 @@ from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
 from runtime.cost_model import SizeChoice, chain_expected_tau, choose_tree_size, verify_cost_curve
+from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.medusa import MedusaProposer
@@ -69,6 +70,7 @@ class HeadsOptions:
     tree_top_k: str = "8"  # EAGLE-2 children per expanded node and nodes per level, or "auto" (2, 4, 8)
     max_tree_size: int = 64  # largest size `auto` considers
     cost_kv_length: int = 256  # context length at which the verify cost is measured
+    allow_off: bool = True  # auto may turn speculation off when plain decoding is predicted faster
 
     def __post_init__(self) -> None:
         if self.eagle_tree not in EAGLE_TREES:
@@ -102,7 +104,7 @@ class HeadsOptions:
 class HeadsProposer:
     """What `proposer_from_heads` returns: the proposer, its heads' config, and how the size was chosen."""
 
-    proposer: MedusaProposer | EagleProposer | MTPProposer
+    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
     size_choice: SizeChoice | None = None  # rows of the auto choice, row 0 = plain decoding (None: fixed size)
@@ -210,8 +212,26 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
 
     target_name: the target as the user named it (e.g. the --model string) for the base-model check; heads
     trained for another target raise ValueError naming both models (heads.checkpoint.check_compatible).
+    With an auto size and `options.allow_off`, when no size is predicted faster than plain decoding the
+    proposer is `Autoregressive` (speculation off, size 0), and the description says so.
     """
     options = options or HeadsOptions()
+    built = _build(heads, target, options, sampling, seed, target_name, revision)
+    choice = built.size_choice
+    if choice is None or not options.allow_off:
+        return built
+    plain, *rows = choice.rows
+    best = max(r["tokens_per_second"] for r in rows)
+    if best > plain["tokens_per_second"]:
+        return built
+    return HeadsProposer(Autoregressive(), built.config, 0, SizeChoice(size=0, rows=choice.rows),
+                         f"speculation off: plain decoding is predicted faster here ({plain['tokens_per_second']:.2f} "
+                         f"vs at best {best:.2f} tokens/s for {built.config.kind} heads; pass --tree_size N to force "
+                         f"drafting)", built.notes)
+
+
+def _build(heads, target: TargetModel, options: HeadsOptions, sampling: SamplingConfig | None, seed: int | None,
+           target_name: str | None, revision: str | None) -> HeadsProposer:
     sampling = sampling or SamplingConfig()
     module = _load(heads, target, target_name, revision)
     config = module.config

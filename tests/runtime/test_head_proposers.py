@@ -339,7 +339,7 @@ def test_factory_auto_size_uses_metrics_and_cost(tmp_path, monkeypatch):
                             [0.95, 0.9, 0.85, 0.8]}
     table = accuracy_table(heads.config)
     assert table[0][0] == 0.9 and sum(table[0]) == pytest.approx(0.95) and len(table[0]) == 5
-    built = proposer_from_heads(heads, target, HeadsOptions(max_tree_size=12, cost_kv_length=16),
+    built = proposer_from_heads(heads, target, HeadsOptions(max_tree_size=12, cost_kv_length=16, allow_off=False),
                                 target_name="tiny-target")
     plain, *rows = built.size_choice.rows
     assert plain["size"] == 0 and plain["expected_tau"] == 1.0
@@ -500,7 +500,8 @@ def test_eagle_auto_shape(tmp_path, monkeypatch):
     heads = make_heads("eagle", model, sigma)
     heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.85, 0.8], "top4_accuracy_per_depth": [0.95, 0.9, 0.9]}
     built = proposer_from_heads(heads, TargetModel(model), HeadsOptions(tree_depth="auto", tree_top_k="auto",
-                                                                        max_tree_size=8, cost_kv_length=16),
+                                                                        max_tree_size=8, cost_kv_length=16,
+                                                                        allow_off=False),
                                 target_name="tiny-target")
     shapes = {(r["depth"], r["top_k"]) for r in built.size_choice.rows[1:]}
     assert shapes == {(d, k) for d in (2, 3, 4, 5, 6) for k in (2, 4, 8)}
@@ -512,3 +513,19 @@ def test_eagle_auto_shape(tmp_path, monkeypatch):
     assert torch.equal(tokens, reference(model, prompt, 30))
     with pytest.raises(ValueError, match="--tree_depth"):
         HeadsOptions(tree_depth="deep")
+
+
+def test_auto_turns_speculation_off_when_plain_is_faster(tmp_path, monkeypatch):
+    from runtime.proposers import factory
+    from runtime.proposers.base import Autoregressive
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(factory.DraftTimer, "seconds", lambda self, proposer, repeats=3: 10.0)  # a very slow drafter
+    model, sigma = perm_target("llama")
+    heads = make_heads("medusa", model, sigma)
+    heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.8, 0.7, 0.6]}
+    options = HeadsOptions(max_tree_size=6, cost_kv_length=16)
+    built = proposer_from_heads(heads, TargetModel(model), options, target_name="tiny-target")
+    assert isinstance(built.proposer, Autoregressive) and built.size == 0 and "speculation off" in built.description
+    forced = proposer_from_heads(heads, TargetModel(model), HeadsOptions(tree_size="4"), target_name="tiny-target")
+    assert isinstance(forced.proposer, MedusaProposer) and forced.size == 4
