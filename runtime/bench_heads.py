@@ -163,12 +163,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "method_tokens_per_second": overall["method"]["tokens_per_second"],
                         "speedup_total": overall["speedup_total"], "speedup_median": overall["speedup_median"],
                         "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
-                        "greedy_identical": overall["greedy_identical"]})
+                        "greedy_identical": overall["greedy_identical"],
+                        **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
     payload = {"model": model_name, "prompts": len(encoded), "max_new_tokens": decode.max_new_tokens,
                "methods": summary}
     write_json_atomic(output_dir / "summary.json", payload)
     print_summary(payload)
     return payload
+
+
+def _predicted(rows: list[dict[str, float]] | None, size: int | None) -> dict[str, Any]:
+    """The cost model's predictions for an auto size: plain rate, chosen rate, and whether auto turns it off."""
+    if not rows:
+        return {}
+    plain, *options = rows
+    best = max(options, key=lambda r: r["tokens_per_second"])
+    return {"predicted_plain_tokens_per_second": plain["tokens_per_second"],
+            "predicted_tokens_per_second": best["tokens_per_second"], "predicted_expected_tau": best["expected_tau"],
+            "auto_turns_off": best["tokens_per_second"] <= plain["tokens_per_second"],
+            "chosen": {k: v for k, v in best.items() if k in ("size", "depth", "top_k")} if size else {"size": 0}}
 
 
 def _spec_record(specs: list[MethodSpec], name: str) -> dict[str, Any]:
@@ -186,13 +199,16 @@ def print_summary(payload: dict[str, Any]) -> None:
     """One line per method: tau, tokens/s, speed-up vs plain, draft/verify shares, greedy identity."""
     print(f"{payload['model']}: {payload['prompts']} prompts x {payload['max_new_tokens']} new tokens")
     print(f"{'method':<22} {'size':>4} {'tau':>5} {'plain/s':>8} {'method/s':>9} {'speedup':>7} {'draft':>6} "
-          f"{'verify':>6} {'ident':>5}")
+          f"{'verify':>6} {'ident':>5} {'predicted':>9}")
     for m in payload["methods"]:
         size = "-" if m["size"] is None else str(m["size"])
         ident = {True: "yes", False: "NO", None: "-"}[m["greedy_identical"]]
+        predicted = "-"
+        if "predicted_tokens_per_second" in m:  # the cost model's speed-up for the auto choice
+            predicted = f"{m['predicted_tokens_per_second'] / m['predicted_plain_tokens_per_second']:.2f}"
         print(f"{m['method']:<22} {size:>4} {m['tau']:>5.2f} {m['plain_tokens_per_second']:>8.2f} "
               f"{m['method_tokens_per_second']:>9.2f} {m['speedup_total']:>7.2f} {m['draft_share']:>6.2f} "
-              f"{m['verify_share']:>6.2f} {ident:>5}")
+              f"{m['verify_share']:>6.2f} {ident:>5} {predicted:>9}")
 
 
 if __name__ == "__main__":
