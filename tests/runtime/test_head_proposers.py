@@ -529,3 +529,17 @@ def test_auto_turns_speculation_off_when_plain_is_faster(tmp_path, monkeypatch):
     assert isinstance(built.proposer, Autoregressive) and built.size == 0 and "speculation off" in built.description
     forced = proposer_from_heads(heads, TargetModel(model), HeadsOptions(tree_size="4"), target_name="tiny-target")
     assert isinstance(forced.proposer, MedusaProposer) and forced.size == 4
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle2"])
+def test_typical_acceptance_with_heads(name):
+    """Medusa's typical acceptance (lossy, documented) runs through the same loop with head drafts."""
+    model, sigma = perm_target("llama")
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    sampling = SamplingConfig(temperature=0.7)
+    proposer = make_proposer(name, model, sigma, sampling=sampling, seed=1)
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), sampling=sampling, acceptance="typical", seed=1,
+                          speculation=SpeculationConfig(num_speculative_tokens=proposer.tree_size))
+    stats = GenerationStats()
+    tokens = torch.cat(list(generate(TargetModel(model), proposer, prompt, config, stats)))
+    assert tokens.numel() == 40 and stats.tau > 1.3
