@@ -9,7 +9,7 @@ every method of the config. For each method it writes `<output_dir>/<name>.json`
 (per-prompt and overall tau, acceptance per depth, draft/verify/prefill shares, speed-up vs plain and vs
 transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
-num_threads, warmup_tokens, methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
+num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
 takes num_speculative_tokens (default 5)}. Each drafter's per-step budget is its own size.
 """
@@ -40,7 +40,7 @@ from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.target import TargetModel
 
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
-             "methods"}
+             "repeats", "methods"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
 
 
@@ -138,11 +138,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_ours(target, proposer, encoded[0], limited(warmup, name))
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
+    repeats = int(config.get("repeats", 1))
     for i, ids in enumerate(encoded):
-        plain = run_ours(target, Autoregressive(), ids, decode)
-        hf = run_hf(model, ids, gen_config, None)
-        for name, proposer in proposers.items():
-            run = run_ours(target, proposer, ids, limited(decode, name))
+        plain = hf = None
+        runs: dict[str, Any] = {name: None for name in proposers}
+        for _ in range(repeats):  # every runner R times, interleaved; keep each one's fastest run
+            plain = fastest(plain, run_ours(target, Autoregressive(), ids, decode))
+            hf = fastest(hf, run_hf(model, ids, gen_config, None))
+            for name, proposer in proposers.items():
+                runs[name] = fastest(runs[name], run_ours(target, proposer, ids, limited(decode, name)))
+        for name in proposers:
+            run = runs[name]
             records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
             stats[name].append(run.stats)
             r = records[name][-1]
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in proposers:
         overall = overall_record(records[name], stats[name])
         result = {"config": {"model": model_name, "method": name, "spec": _spec_record(specs, name),
-                             "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
+                             "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
                              "num_threads": torch.get_num_threads(), **built_info[name]},
                   "overall": overall, "prompts": records[name]}
         write_json_atomic(output_dir / f"{name}.json", result)
@@ -170,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_json_atomic(output_dir / "summary.json", payload)
     print_summary(payload)
     return payload
+
+
+def fastest(best, run):
+    """The faster of two runs of one runner (`best` may be None)."""
+    return best if best is not None and best.seconds <= run.seconds else run
 
 
 def _predicted(rows: list[dict[str, float]] | None, size: int | None) -> dict[str, Any]:

@@ -480,7 +480,7 @@ def test_bench_heads_compares_methods(tmp_path):
     prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
     config = tmp_path / "bench.yaml"
     config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 1\nmax_new_tokens: 24\n"
-                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nmethods:\n"
+                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nrepeats: 2\nmethods:\n"
                       f"  - {{name: pl, method: prompt_lookup}}\n"
                       f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
                       f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n")
