@@ -136,9 +136,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for name, proposer in proposers.items():
         run_ours(target, proposer, encoded[0], limited(warmup, name))
+    repeats = int(config.get("repeats", 1))
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
-    repeats = int(config.get("repeats", 1))
+    def write_results() -> dict[str, Any]:
+        """Per-method JSON and summary.json over the prompts done so far (rewritten after every prompt)."""
+        summary = []
+        for name in proposers:
+            overall = overall_record(records[name], stats[name])
+            result = {"config": {"model": model_name, "method": name, "spec": _spec_record(specs, name),
+                                 "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
+                                 "repeats": repeats, "num_threads": torch.get_num_threads(), **built_info[name]},
+                      "overall": overall, "prompts": records[name]}
+            write_json_atomic(output_dir / f"{name}.json", result)
+            summary.append({"method": name, "description": built_info[name]["description"],
+                            "size": built_info[name].get("size"), "tau": overall["tau"],
+                            "acceptance_per_depth": overall["acceptance_per_depth"],
+                            "plain_tokens_per_second": overall["plain"]["tokens_per_second"],
+                            "method_tokens_per_second": overall["method"]["tokens_per_second"],
+                            "speedup_total": overall["speedup_total"], "speedup_median": overall["speedup_median"],
+                            "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
+                            "greedy_identical": overall["greedy_identical"],
+                            **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
+        payload = {"model": model_name, "prompts": len(records[next(iter(proposers))]),
+                   "max_new_tokens": decode.max_new_tokens, "methods": summary}
+        write_json_atomic(output_dir / "summary.json", payload)
+        return payload
+
     for i, ids in enumerate(encoded):
         plain = hf = None
         runs: dict[str, Any] = {name: None for name in proposers}
@@ -154,26 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = records[name][-1]
             print(f"[bench_heads] prompt {i + 1}/{len(encoded)} {name}: tau {r['tau']:.2f}, speed-up "
                   f"{r['speedup']:.2f}, identical {r['greedy_identical']}", file=sys.stderr)
-    summary = []
-    for name in proposers:
-        overall = overall_record(records[name], stats[name])
-        result = {"config": {"model": model_name, "method": name, "spec": _spec_record(specs, name),
-                             "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
-                             "num_threads": torch.get_num_threads(), **built_info[name]},
-                  "overall": overall, "prompts": records[name]}
-        write_json_atomic(output_dir / f"{name}.json", result)
-        summary.append({"method": name, "description": built_info[name]["description"],
-                        "size": built_info[name].get("size"), "tau": overall["tau"],
-                        "acceptance_per_depth": overall["acceptance_per_depth"],
-                        "plain_tokens_per_second": overall["plain"]["tokens_per_second"],
-                        "method_tokens_per_second": overall["method"]["tokens_per_second"],
-                        "speedup_total": overall["speedup_total"], "speedup_median": overall["speedup_median"],
-                        "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
-                        "greedy_identical": overall["greedy_identical"],
-                        **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
-    payload = {"model": model_name, "prompts": len(encoded), "max_new_tokens": decode.max_new_tokens,
-               "methods": summary}
-    write_json_atomic(output_dir / "summary.json", payload)
+        write_results()
+    payload = write_results()
     print_summary(payload)
     return payload
 
