@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from runtime.sampling import SamplingConfig
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
-METHODS = ("autoregressive", "prompt_lookup", "draft_model")
+METHODS = ("autoregressive", "prompt_lookup", "draft_model", "heads")
+HEADS_BUDGET = 1024  # with --heads the proposer sizes its own drafts (--tree_size); the loop only caps them
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,18 @@ class GenerateArguments:
     method: str = field(default="prompt_lookup", metadata={"help": f"drafter: one of {METHODS}; "
                                                            "--draft_model alone implies draft_model"})
     draft_model: str | None = field(default=None, metadata={"help": "draft model (same tokenizer as --model)"})
+    heads: str | None = field(default=None, metadata={"help": "trained heads (directory or Hub id; Medusa, EAGLE, "
+                                                      "EAGLE-3 or MTP, picked from their config); implies --method heads"})
+    tree_size: str = field(default="auto", metadata={"help": "heads: draft tokens per step (Medusa tree nodes, "
+                                                      "EAGLE-2 total_tokens, chain length) or 'auto' (cost model)"})
+    tree: str = field(default="", metadata={"help": "heads: static tree YAML (configs/trees/*.yaml) for Medusa, "
+                                            "or EAGLE with --eagle_tree static"})
+    eagle_tree: str = field(default="dynamic", metadata={"help": "EAGLE/EAGLE-3: dynamic (EAGLE-2) or static "
+                                                         "(EAGLE-1: --tree FILE, else a chain)"})
+    tree_depth: str = field(default="5", metadata={"help": "EAGLE-2: expansion depth, or 'auto'"})
+    tree_top_k: str = field(default="8", metadata={"help": "EAGLE-2: children per expanded node / nodes per level, "
+                                                   "or 'auto'"})
+    max_tree_size: int = field(default=64, metadata={"help": "heads: largest size --tree_size auto considers"})
     max_new_tokens: int = field(default=128, metadata={"help": "stop after this many new tokens"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
@@ -99,7 +112,9 @@ class GenerateArguments:
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
 
     def speculation(self) -> SpeculationConfig:
-        """--num_speculative_tokens K|auto -> SpeculationConfig."""
+        """--num_speculative_tokens K|auto -> SpeculationConfig (with --heads: the proposer's own size)."""
+        if self.resolved_method() == "heads":
+            return SpeculationConfig(num_speculative_tokens=HEADS_BUDGET, max_speculative_tokens=HEADS_BUDGET)
         if self.num_speculative_tokens == "auto":
             return SpeculationConfig(num_speculative_tokens=5, adaptive=True,
                                      max_speculative_tokens=self.max_speculative_tokens)
@@ -124,13 +139,24 @@ class GenerateArguments:
         return values
 
     def resolved_method(self) -> str:
+        if self.heads is not None and self.method == "prompt_lookup":
+            return "heads"
         if self.draft_model is not None and self.method == "prompt_lookup":
             return "draft_model"
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("--method draft_model needs --draft_model")
+        if self.method == "heads" and self.heads is None:
+            raise ValueError("--method heads needs --heads DIR_OR_HUB_ID")
         return self.method
+
+    def heads_options(self):
+        """The --tree_* flags as runtime.proposers.factory.HeadsOptions."""
+        from runtime.proposers.factory import HeadsOptions
+
+        return HeadsOptions(tree_size=self.tree_size, tree=self.tree, eagle_tree=self.eagle_tree,
+                            tree_depth=self.tree_depth, tree_top_k=self.tree_top_k, max_tree_size=self.max_tree_size)
 
     def decode_config(self) -> DecodeConfig:
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

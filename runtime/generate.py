@@ -190,6 +190,12 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
         return Autoregressive()
     if method == "prompt_lookup":
         return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+    if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
+        from runtime.proposers.factory import proposer_from_heads
+        built = proposer_from_heads(args.heads, target, args.heads_options(), sampling=args.decode_config().sampling,
+                                    seed=args.seed, target_name=args.model)
+        print(f"[heads] {built.description}", file=sys.stderr)
+        return built.proposer
     from heads.loading import load_model, load_tokenizer
     from runtime.proposers.draft_model import check_same_vocabulary
     draft_tokenizer = load_tokenizer(args.draft_model)

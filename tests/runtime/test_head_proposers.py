@@ -543,3 +543,19 @@ def test_typical_acceptance_with_heads(name):
     stats = GenerationStats()
     tokens = torch.cat(list(generate(TargetModel(model), proposer, prompt, config, stats)))
     assert tokens.numel() == 40 and stats.tau > 1.3
+
+
+def test_generate_cli_with_heads(tmp_path, capsys):
+    """`python -m runtime.generate --heads DIR` picks the proposer from the head config (flags plumbed)."""
+    from runtime.config import GenerateArguments
+    from runtime.generate import main
+
+    model = stories260k()
+    build_heads(HeadsConfig.for_target("eagle", model, str(STORIES260K))).save_pretrained(tmp_path / "eagle")
+    args = GenerateArguments(model=str(STORIES260K), heads=str(tmp_path / "eagle"))
+    assert args.resolved_method() == "heads" and args.speculation().num_speculative_tokens >= 64
+    stats = main(["--model", str(STORIES260K), "--heads", str(tmp_path / "eagle"), "--tree_size", "5",
+                  "--tree_depth", "3", "--tree_top_k", "2", "--prompt", "Once upon a time", "--max_new_tokens", "20"])
+    assert stats.new_tokens == 20 and "eagle dynamic tree depth 3 top_k 2 total 5" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--method heads needs --heads"):
+        GenerateArguments(method="heads").resolved_method()
