@@ -1,13 +1,10 @@
 """Small shared pieces of the data CLIs: flag parsing with a YAML recipe, atomic writes, run identity.
 
-(`data/` is a leaf package and may import only `heads.loading`, so it keeps its own copy of the
-`--config file.yaml` convention: YAML gives defaults, flags override, unknown keys are an error.)
+(`data/` is a leaf package; from `heads` it uses only the model loader and the shared flag parser.)
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -16,8 +13,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import yaml
-from transformers import HfArgumentParser
+
+from heads.cli import parse_flags
 
 T = TypeVar("T")
 RUN_FILE = "run.json"
@@ -25,24 +22,7 @@ RUN_FILE = "run.json"
 
 def parse_config(cls: type[T], argv: list[str] | None = None) -> T:
     """`--config file.yaml` (defaults) + flags (overrides) -> a validated `cls` instance."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(cls)
-    parser.add_argument("--config", default=None, help="YAML file giving defaults for the flags below.")
-    if known.config:
-        path = Path(known.config)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {path}: no such file")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"--config {path}: expected a mapping of flag: value, got {type(values).__name__}")
-        unknown = sorted(set(values) - {field.name for field in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"--config {path}: unknown key(s) {unknown}; known keys are the flags of --help")
-        parser.set_defaults(**values)
-    # the extra namespace holding --config itself comes back as a second item
-    return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)[0]
+    return parse_flags(cls, argv)
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

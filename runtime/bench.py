@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 import transformers
-import yaml
 
+from heads.cli import parse_flag_groups
 from runtime.config import DecodeConfig, GenerateArguments
 from runtime.generate import GenerationStats, build_proposer, encode_prompt, generate
 from runtime.proposers import Autoregressive, Proposer
@@ -69,22 +69,8 @@ class BenchArguments:
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, BenchArguments]:
     """Flags (over `--config` YAML defaults) -> (generate arguments, bench arguments). Unknown YAML keys raise."""
-    parser = transformers.HfArgumentParser((GenerateArguments, BenchArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
-    config_path = _flag_value(argv, "--config")
-    if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {config_path}: no such file")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"--config {config_path}: expected a mapping of flag names to values")
-        known = {f.name for cls in (GenerateArguments, BenchArguments) for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"--config {config_path}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
-        parser.set_defaults(**values)
-    gen_args, bench_args = parser.parse_args_into_dataclasses(args=argv)
+    gen_args, bench_args = parse_flag_groups((GenerateArguments, BenchArguments), argv)
     if "--prompt" in argv or any(a.startswith("--prompt=") for a in argv):
         raise ValueError("--prompt is a flag of runtime.generate; runtime.bench reads --prompts FILE")
     if bench_args.max_prompts < 1:
@@ -99,17 +85,6 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
     gen_args.resolved_method()
     gen_args.decode_config()  # validates --max_new_tokens, sampling and speculation flags before any loading
     return gen_args, bench_args
-
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == flag:
-            if i + 1 >= len(argv):
-                raise ValueError(f"{flag} needs a value")
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def read_prompts(source: str, max_prompts: int) -> list[str]:

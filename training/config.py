@@ -8,7 +8,6 @@ ones in `RESUMABLE_FIELDS` (how long to train, how often to log/save, where to r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import tempfile
@@ -17,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser
+
+from heads.cli import parse_flags, read_recipe
 
 METHODS = ("medusa", "medusa2", "eagle", "eagle3", "mtp")
 REPORT_TO = ("none", "wandb", "tensorboard")
@@ -179,32 +179,12 @@ def eagle3_layers(config: TrainConfig) -> tuple[int, int, int] | None:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Flat YAML recipe -> dict; unknown keys raise ValueError naming the key and the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
-    values = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of field: value, got {type(values).__name__}")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown key(s) {unknown}; known keys are the TrainConfig fields "
-                         f"(see `python training/train_heads.py --help`)")
-    return values
+    return read_recipe(path, (TrainConfig,))
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """`--config file.yaml` (defaults) + flags (overrides) -> validated TrainConfig."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(TrainConfig)
-    parser.add_argument("--config", default=None, help="YAML recipe giving defaults for the flags below.")
-    if known.config:
-        parser.set_defaults(**read_yaml(known.config))
-    # The extra namespace (second item) holds --config itself.
-    config, _ = parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
-    return config
+    return parse_flags(TrainConfig, argv)
 
 
 def to_yaml(config: TrainConfig) -> str:
