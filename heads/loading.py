@@ -99,7 +99,12 @@ def _convert_gguf(source: ModelSource) -> Path:
             if (Path(source.name_or_path) / extra).is_file():
                 shutil.copy(Path(source.name_or_path) / extra, tmp / extra)
         (tmp / "SOURCE").write_text(str((Path(source.name_or_path) / source.gguf_file).resolve()) + "\n")
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished the same conversion first: keep its copy
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

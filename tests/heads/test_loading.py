@@ -1,0 +1,36 @@
+"""The shared model loader: GGUF conversion cached once, local directories, clear errors for bad paths."""
+
+import pytest
+import torch
+
+from heads.loading import load_model, model_path, parse_dtype, resolve_source
+from tests.tiny_models import SMOLLM2, STORIES260K
+
+
+def test_gguf_is_converted_once_and_loads_from_the_cached_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    first = model_path(str(SMOLLM2))
+    assert (tmp_path / "converted").is_dir() and first.startswith(str(tmp_path))
+    stamp = (tmp_path / "converted").stat().st_mtime_ns
+    assert model_path(str(SMOLLM2)) == first  # second call: no new conversion
+    assert (tmp_path / "converted").stat().st_mtime_ns == stamp
+    model = load_model(str(SMOLLM2))
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+
+
+def test_local_directory_and_dtype():
+    model = load_model(str(STORIES260K), dtype="fp64")
+    assert model.dtype == torch.float64 and not model.training
+    assert resolve_source(str(STORIES260K)).gguf_file is None
+
+
+def test_bad_sources_name_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--model"):
+        resolve_source(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="neither config.json nor a .gguf"):
+        resolve_source(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"\.gguf"):
+        resolve_source(str(tmp_path / "weights.bin"))
+    with pytest.raises(ValueError, match="--dtype"):
+        parse_dtype("int3")
