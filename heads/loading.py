@@ -33,6 +33,57 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """True where bf16 matmuls beat fp32: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX.
+
+    Read from torch's own CPU checks (a hypervisor may hide the flags from /proc/cpuinfo). Without them
+    torch emulates bf16 matmuls (measured on an AVX2-only VM: 4-8x slower than fp32).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", flag: str = "--dtype") -> torch.dtype:
+    """`--dtype auto` -> bfloat16 where it is fast (`fast_bf16`), float32 elsewhere; explicit names parsed.
+
+    bfloat16 on a CPU without fast bf16 warns (it runs, slowly); float16 on a CPU is an error (no fast kernels,
+    and half-precision softmax/matmul accumulate badly there).
+    """
+    import warnings
+
+    device = torch.device(device)
+    if isinstance(name, str) and name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    try:
+        dtype = parse_dtype(name)
+    except ValueError:
+        raise ValueError(f"{flag}: expected auto or one of {sorted(_DTYPES)}, got {name!r}") from None
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(f"{flag} float16 on CPU: no fast float16 kernels here; use {flag} auto, bfloat16 or float32")
+    if device.type == "cpu" and dtype == torch.bfloat16 and not fast_bf16(device):
+        warnings.warn(f"{flag} bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bf16 matmuls are emulated "
+                      f"(several times slower than float32); {flag} auto picks float32 here", stacklevel=2)
+    return dtype
+
+
+def describe_dtype(dtype: torch.dtype, requested: str | torch.dtype, device: str | torch.device = "cpu") -> str:
+    """One line saying which dtype runs and why, e.g. 'dtype: float32 (auto: no AVX512-BF16/AMX on this CPU)'."""
+    name = str(dtype).removeprefix("torch.")
+    if requested != "auto":
+        return f"dtype: {name}"
+    device = torch.device(device)
+    where = "CUDA" if device.type == "cuda" else "this CPU"
+    why = "fast bf16 on " + where if dtype == torch.bfloat16 else f"no AVX512-BF16/AMX on {where}"
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        why = "no bf16 support on this GPU"
+    return f"dtype: {name} (auto: {why})"
+
+
 def cache_dir() -> Path:
     """Where converted GGUF copies are kept: $SPECHEADS_CACHE or ~/.cache/specheads."""
     return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
@@ -138,7 +189,7 @@ def load_model(
 ) -> PreTrainedModel:
     """Load a causal LM in eval mode from a Hub id, a local directory or a GGUF file (cached conversion)."""
     path = model_path(name_or_path)
-    kwargs = {"dtype": parse_dtype(dtype), "attn_implementation": attn_implementation}
+    kwargs = {"dtype": resolve_dtype(dtype, device), "attn_implementation": attn_implementation}
     if revision is not None:
         kwargs["revision"] = revision
     try:
