@@ -76,8 +76,9 @@ class HeadsConfig:
     medusa_num_heads: int = 5
     medusa_num_layers: int = 1
     medusa_shared_lm_head: bool = False
-    # EAGLE-1/2 (the EAGLE reference and SGLang have a bias on fc; vLLM's EAGLE-1 loader has none)
-    eagle_fc_bias: bool = True
+    # EAGLE-1/2: vLLM's loader has no fc bias, SGLang's and the EAGLE reference's always have one (the SGLang /
+    # reference exports write zeros), so bias-free heads export everywhere.
+    eagle_fc_bias: bool = False
     # EAGLE-3
     draft_vocab_size: int = 0
     # MTP

@@ -61,6 +61,8 @@ class TrainConfig:
                                "empty = (2, L//2, L-3).", default="")
     draft_vocab_size: int = _help("EAGLE-3 draft vocabulary size (most frequent training tokens).",
                                   default=32000)
+    eagle_fc_bias: bool = _help("EAGLE-1/2: give fc a bias. Off by default so the head exports to vLLM (fc without "
+                                "a bias) and SGLang (an explicit zero bias is written) alike.", default=False)
 
     init_heads: str | None = _help("Start from this saved heads directory (checked against the target) "
                                    "instead of fresh heads.", default=None)

@@ -307,6 +307,7 @@ def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
         options["mtp_num_depths"] = config.num_heads
     else:
         kind = "eagle"
+        options["eagle_fc_bias"] = config.eagle_fc_bias
     try:
         return HeadsConfig.for_target(kind, target, base_model_name_or_path=config.model, **options)
     except ValueError as err:
