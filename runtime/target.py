@@ -14,6 +14,15 @@ layer type (a dict keyed by `config.layer_types` for hybrid models, one windowed
 configs) and a `DynamicCache()` without config, which keeps every key so rejected slots can be dropped.
 Only `sdpa` and `eager` attention are accepted: flash-attention kernels ignore custom 4D masks and flex
 attention breaks with them on CPU.
+
+Modes (chosen per loaded model by the load-time self-check, runtime/verify_check.py):
+- "tree": the above, any candidate tree in one forward;
+- "chain": no custom mask; the model's own causal path (a 2D attention mask of ones, position_ids when the
+  forward takes them) over a chain of draft tokens, and rollback by cropping the cache (the accepted nodes of
+  a chain are always its first ones). For models whose attention ignores or rejects 4D masks;
+- "plain": the chain path one token at a time, nothing ever rolled back (plain decoding only).
+A model error inside a forward or the compaction is re-raised as `TargetError` (a ValueError: the CLIs print
+it as one line, exit code 2) naming the model, its class and the step.
 """
 
 from __future__ import annotations
@@ -29,7 +38,12 @@ from runtime.masks import tree_attention_mask
 from runtime.tree import Tree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+MODES = ("tree", "chain", "plain")
 _LAYER_TYPES_WITH_WINDOW = {"full_attention": False, "sliding_attention": True}
+
+
+class TargetError(ValueError):
+    """A model error inside a target forward or KV compaction, as one line naming the model and the step."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,20 @@ def check_attention_backend(model: PreTrainedModel, flag: str = "--attn_implemen
 class TargetModel:
     """A causal LM plus its KV cache, driven with tree masks. Also used by the draft-model proposer."""
 
-    def __init__(self, model: PreTrainedModel, flag: str = "--model"):
-        check_attention_backend(model)
+    def __init__(self, model: PreTrainedModel, flag: str = "--model", mode: str = "tree"):
+        if mode not in MODES:
+            raise ValueError(f"TargetModel mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
         self.model = model
         self.flag = flag
         self.config = model.config.get_text_config()
         self.max_positions = context_limit(self.config)
-        self.windows = attention_windows(self.config)
+        if mode == "tree":  # the chain path leaves masks (windows included) to the model itself
+            check_attention_backend(model)
+            self.windows = attention_windows(self.config)
+        else:
+            self.windows = None
+        self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.num_layers = int(self.config.num_hidden_layers)
         self.dtype = model.dtype
         self.device = model.device
@@ -127,7 +148,25 @@ class TargetModel:
                 raise ValueError(f"hidden_state_indices: {index} out of range for a {self.num_layers}-layer "
                                  f"model (valid: {-(self.num_layers + 1)}..{self.num_layers})")
 
+    def describe(self) -> str:
+        """'--model NAME (ClassName)' for error lines."""
+        name = getattr(self.model.config, "_name_or_path", "") or "(built in memory)"
+        return f"{self.flag} {name} ({type(self.model).__name__})"
+
+    def _check_mode(self, tree: Tree, start: int) -> None:
+        if self.mode == "tree":
+            return
+        n = tree.num_nodes
+        if not torch.equal(tree.parents[max(start, 1):], torch.arange(max(start, 1) - 1, n - 1)):
+            raise ValueError(f"{self.describe()} runs in {self.mode} mode (no tree attention): drafts must be "
+                             f"chains, got a tree with parents {tree.parents.tolist()[:16]}")
+        if self.mode == "plain" and n - start > 1 and self.prefix_len > 0:
+            raise ValueError(f"{self.describe()} runs in plain mode: one token per forward after the prompt, "
+                             f"got {n - start}")
+
     def _mask(self, tree: Tree, start: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        if self.mode != "tree":  # the model's own causal mask; [1, kv_len] of ones says "no padding"
+            return torch.ones(1, self.prefix_len + tree.num_nodes, dtype=torch.long, device=self.device)
         if isinstance(self.windows, dict):
             return {kind: tree_attention_mask(tree, self.prefix_len, self.dtype, start, window, self.device)
                     for kind, window in self.windows.items()}
@@ -151,10 +190,19 @@ class TargetModel:
             raise ValueError(f"position {int(positions.max())} is beyond the context of {self.flag} "
                              f"({self.max_positions} positions)")
         self.check_hidden_indices(hidden_state_indices)
-        out = self.model(input_ids=tokens[None].to(self.device), attention_mask=self._mask(tree, start),
-                         position_ids=positions[None].to(self.device), use_cache=True,
-                         output_hidden_states=list(hidden_state_indices) or False,
-                         logits_to_keep=logits_to_keep, **{self._cache_kwarg: self.cache})
+        self._check_mode(tree, start)
+        kwargs = {self._cache_kwarg: self.cache}
+        if self.mode == "tree" or self._takes_positions:
+            kwargs["position_ids"] = positions[None].to(self.device)
+        step = "prefill" if self.prefix_len == 0 else ("verify" if self.flag == "--model" else "draft")
+        try:
+            out = self.model(input_ids=tokens[None].to(self.device), attention_mask=self._mask(tree, start),
+                             use_cache=True, output_hidden_states=list(hidden_state_indices) or False,
+                             logits_to_keep=logits_to_keep, **kwargs)
+        except Exception as error:  # any model failure becomes one line naming the model and the step
+            raise TargetError(f"{self.describe()}: {step} forward of {tokens.numel()} tokens at positions "
+                              f"{int(positions.min())}..{int(positions.max())} failed ({self.mode} mode): "
+                              f"{type(error).__name__}: {_first_line(error)}") from error
         self.num_pending = tree.num_nodes
         hidden = {i: out.hidden_states[i][0] for i in hidden_state_indices}
         return ForwardOutput(logits=out.logits[0], hidden=hidden)
@@ -162,7 +210,17 @@ class TargetModel:
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
         """Keep the forwarded tree nodes `keep` (increasing ids, e.g. an accepted path) as committed tokens."""
-        compact_cache(self.cache, self.prefix_len, self.num_pending, keep)
+        if self.mode != "tree" and keep != list(range(len(keep))):
+            raise ValueError(f"{self.describe()} runs in {self.mode} mode: only a chain prefix can be kept, got {keep}")
+        if self.mode == "plain" and len(keep) != self.num_pending:
+            raise ValueError(f"{self.describe()} runs in plain mode: forwarded tokens cannot be rolled back")
+        try:
+            compact_cache(self.cache, self.prefix_len, self.num_pending, keep)
+        except ValueError:
+            raise
+        except Exception as error:
+            raise TargetError(f"{self.describe()}: KV cache compaction ({self.mode} mode) failed: "
+                              f"{type(error).__name__}: {_first_line(error)}") from error
         self.prefix_len += len(keep)
         self.num_pending = 0
 
@@ -179,3 +237,8 @@ class TargetModel:
                            logits_to_keep=1)
         self.commit(list(range(input_ids.numel())))
         return out
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"

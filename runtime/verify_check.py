@@ -1,0 +1,293 @@
+"""Load-time self-check of the target actually loaded, and the verify mode it decides (tree / chain / plain / refused).
+
+A list of supported families cannot keep the runtime's promise (exact output or a clear refusal); a check
+of the model as it will run can. On a short random prefix, in the model's dtype and attention
+implementation, `check_mode` compares our forwards with the model's own causal forward (no cache, no custom
+mask) over the same tokens:
+
+- tree:  a tree with several branches (depth 3) forwarded in ONE call with the tree mask == per-path causal
+         forwards, node by node; then an accepted path that is not the first nodes is committed (the one
+         compaction routine moves slots) and the next forward == the causal forward of the kept sequence, and
+         the compacted cache == the cache of a sequential prefill of that sequence;
+- chain: the same through the model's own causal path (2D mask, rollback by cropping the cache);
+- plain: one token per forward, nothing rolled back.
+
+Tolerance: max |ours - causal| / max(1, max |causal|) <= TOLERANCE[dtype] (fp64 1e-6: HF eager softmaxes in
+fp32; fp32 1e-4; bf16/fp16 5e-2). A mask the model ignores or a cache that was not compacted gives errors
+of order 1.
+
+`choose_mode` tries trees on the loaded attention implementation, then on the other one (sdpa <-> eager),
+then chains, then plain decoding; a model with recurrent layers (state that cannot be rolled back) or none
+that pass is refused. `prepare_target` is the one call the CLIs make: it caches the result per (model
+path or Hub id, weights fingerprint or revision, dtype, attention implementation, device, library
+versions) under $SPECHEADS_CACHE/verify_check (~/.cache/specheads), prints one line, and returns a
+`TargetModel` in the chosen mode, or raises `TargetError` (one line, exit code 2 from the CLIs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+
+from heads.loading import cache_dir
+from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
+from runtime.tree import Tree
+
+CHECK_VERSION = 1  # bump when the check changes: cached results of older checks are ignored
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+PREFIX_LENGTH = 7
+CHECK_TREE = [-1, 0, 0, 0, 1, 1, 2, 4]  # three branches at the root, depth 3; leaves 3, 5, 6, 7
+CHECK_KEEP = [0, 2, 6]  # an accepted path that is not the first nodes: compaction must move slots
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+class CheckFailed(Exception):
+    """One check did not pass; the message says where (internal to this module)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What the self-check decided for one loaded model."""
+
+    mode: str  # "tree", "chain", "plain" or "refused"
+    attn_implementation: str  # the attention implementation the model runs with (may differ from the loaded one)
+    dtype: str
+    reason: str = ""  # why not trees (or why refused); "" when trees pass
+    max_error: float = 0.0  # relative error of the check that passed
+    seconds: float = 0.0  # time the check took when it ran
+    cached: bool = False
+
+    def line(self) -> str:
+        """The one line printed at startup, e.g. 'verify check: trees ok (sdpa, float32), 0.42 s'."""
+        where = f"({self.attn_implementation}, {self.dtype})"
+        cost = "cached" if self.cached else f"{self.seconds:.2f} s"
+        if self.mode == "tree":
+            return f"verify check: trees ok {where}, {cost}"
+        if self.mode == "chain":
+            return f"verify check: chains only {where}, {cost}; tree methods draft chains because {self.reason}"
+        if self.mode == "plain":
+            return f"verify check: plain decoding only {where}, {cost}; speculation off because {self.reason}"
+        return f"verify check: refused {where}: {self.reason}"
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    return float((got.double() - want).abs().max() / max(1.0, float(want.abs().max())))
+
+
+def _causal_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """The model's own causal forward over `ids` (no cache, no custom mask): logits [T, V] float."""
+    tokens = torch.tensor([ids], device=model.device)
+    with torch.inference_mode():
+        out = model(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
+    return out.logits[0].float()
+
+
+def _compare(label: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> float:
+    if got.shape != want.shape:
+        raise CheckFailed(f"{label}: shape {tuple(got.shape)} vs {tuple(want.shape)} of the causal forward")
+    error = _error(got.float(), want)
+    if not error <= tolerance:  # also catches NaN
+        raise CheckFailed(f"{label} differs from the model's causal forward (relative error {error:.2g} > "
+                          f"{tolerance:g})")
+    return error
+
+
+def _compare_caches(label: str, got, want, tolerance: float) -> None:
+    """Compacted cache == sequential cache, layer by layer (skipped for caches without key/value layers)."""
+    layers = getattr(got, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") for layer in layers):
+        return
+    for i, (a, b) in enumerate(zip(layers, want.layers, strict=True)):
+        for kind in ("keys", "values"):
+            x, y = getattr(a, kind), getattr(b, kind)
+            if x is None or y is None:
+                continue
+            _compare(f"{label}: layer {i} {kind}", x, y.float(), tolerance)
+
+
+def check_mode(model: PreTrainedModel, mode: str, seed: int = 0) -> float:
+    """Run the self-check of `mode` on `model` as loaded; returns the largest relative error.
+
+    Raises CheckFailed (message: which forward and how far off) when ours and the causal forward differ
+    beyond TOLERANCE, or when the model raises.
+    """
+    tolerance = TOLERANCE.get(model.dtype, 5e-2)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen).tolist()
+    parents = CHECK_TREE if mode == "tree" else ([-1, 0, 1, 2, 3] if mode == "chain" else [-1])
+    keep = CHECK_KEEP if mode == "tree" else list(range(min(2, len(parents))))
+    tree = Tree.from_parents(parents)
+    tokens = torch.randint(vocab, (tree.num_nodes,), generator=gen)
+    after = torch.randint(vocab, (2 if mode != "plain" else 1,), generator=gen)  # the next forward after commit
+    try:
+        target = TargetModel(model, mode=mode)
+        worst = _compare("prefill", target.prefill(torch.tensor(prefix)).logits[-1],
+                         _causal_logits(model, prefix)[-1], tolerance)
+        out = target.forward(tokens.to(target.device), tree).logits  # [N, V]
+        for path in tree.paths():
+            want = _causal_logits(model, prefix + tokens[path].tolist())[PREFIX_LENGTH:]
+            worst = max(worst, _compare(f"{mode} forward, path {path}", out[path], want, tolerance))
+        target.commit(keep)
+        kept = prefix + tokens[keep].tolist()
+        if mode != "plain":
+            sequential = TargetModel(model, mode="chain" if mode != "tree" else "tree")
+            sequential.prefill(torch.tensor(kept))
+            _compare_caches(f"compacted cache (kept nodes {keep})", target.cache, sequential.cache, tolerance)
+        out = target.forward(after.to(target.device), Tree.chain(after.numel() - 1)).logits
+        want = _causal_logits(model, kept + after.tolist())[len(kept):]
+        worst = max(worst, _compare(f"forward after committing nodes {keep}", out, want, tolerance))
+    except CheckFailed:
+        raise
+    except Exception as error:  # the model raised: the mode does not work for it, say where
+        cause = error.__cause__ if isinstance(error, TargetError) and error.__cause__ else error
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else "(no message)"
+        raise CheckFailed(f"{type(cause).__name__}: {text}") from error
+    return worst
+
+
+def rollback_blocker(model: PreTrainedModel) -> str | None:
+    """Why rejected draft tokens cannot be dropped from this model's state (None when they can)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    recurrent = sorted(set(layer_types) - _ATTENTION_LAYERS)
+    if recurrent:
+        return (f"layers {recurrent} keep a recurrent state that cannot be rolled back to drop rejected draft "
+                f"tokens")
+    return None
+
+
+def _set_attention(model: PreTrainedModel, implementation: str) -> bool:
+    """Switch the model's attention implementation in place; False when the model does not support it."""
+    if getattr(model.config, "_attn_implementation", None) == implementation:
+        return True
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # families without the switch only log that they ignore it
+    try:
+        model.set_attn_implementation(implementation)
+    except (ValueError, ImportError, NotImplementedError):
+        return False
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return getattr(model.config, "_attn_implementation", None) == implementation
+
+
+def choose_mode(model: PreTrainedModel) -> CheckResult:
+    """Decide the verify mode by running the checks in order (see module docstring); may switch the model's
+    attention implementation (sdpa <-> eager) when trees only pass on the other one."""
+    start = time.perf_counter()
+    loaded = getattr(model.config, "_attn_implementation", None) or "eager"
+    dtype = str(model.dtype).removeprefix("torch.")
+
+    def result(mode: str, reason: str = "", error: float = 0.0) -> CheckResult:
+        return CheckResult(mode, model.config._attn_implementation, dtype, reason, error, time.perf_counter() - start)
+
+    failures: dict[str, list[str]] = {}  # message -> the checks that failed with it
+
+    def failed(label: str, failure: CheckFailed) -> None:
+        failures.setdefault(str(failure)[:200], []).append(label)
+
+    def reasons() -> str:
+        return "; ".join(f"{', '.join(labels)}: {message}" for message, labels in failures.items())
+
+    blocker = rollback_blocker(model)
+    if blocker is None:
+        for implementation in [loaded] + [a for a in SUPPORTED_ATTENTION if a != loaded]:
+            if not _set_attention(model, implementation):
+                continue
+            try:
+                return result("tree", "", check_mode(model, "tree"))
+            except CheckFailed as failure:
+                failed(f"trees on {implementation}", failure)
+        if not _set_attention(model, loaded):
+            raise TargetError(f"{type(model).__name__}: cannot switch attention back to {loaded}")
+        try:
+            return result("chain", reasons(), check_mode(model, "chain"))
+        except CheckFailed as failure:
+            failed(f"chains on {loaded}", failure)
+    try:
+        return result("plain", blocker or reasons(), check_mode(model, "plain"))
+    except CheckFailed as failure:
+        failed(f"plain decoding on {loaded}", failure)
+    return result("refused", blocker or reasons())
+
+
+def check_key(model: PreTrainedModel) -> dict[str, str] | None:
+    """What identifies a check result on disk; None for a model built in memory (never cached)."""
+    name = getattr(model.config, "_name_or_path", "") or ""
+    if not name:
+        return None
+    path = Path(name)
+    if path.is_dir():  # local weights: fingerprint by file name, size and mtime (hashing GBs would cost seconds)
+        files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".json"))
+        weights = hashlib.sha256(str([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+                                 .encode()).hexdigest()[:16]
+        name = str(path.resolve())
+    else:
+        weights = getattr(model.config, "_commit_hash", None) or ""
+        if not weights:
+            return None  # a Hub id without a resolved revision: nothing stable to key on
+    return {"model": name, "weights": weights, "dtype": str(model.dtype),
+            "attn_implementation": str(getattr(model.config, "_attn_implementation", None)),
+            "device": model.device.type, "transformers": transformers.__version__, "torch": torch.__version__,
+            "check_version": str(CHECK_VERSION)}
+
+
+def _cache_file(key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "verify_check" / f"{digest}.json"
+
+
+def _read_cached(key: dict[str, str]) -> CheckResult | None:
+    path = _cache_file(key)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("key") != key:
+        return None
+    return CheckResult(**{**record["result"], "cached": True})
+
+
+def _write_cached(key: dict[str, str], result: CheckResult) -> None:
+    path = _cache_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"key": key, "result": asdict(result)}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
+    """The check result for `model` (from the on-disk cache when this exact model was checked before); leaves
+    the model on the attention implementation the result names."""
+    key = check_key(model) if use_cache else None
+    cached = _read_cached(key) if key is not None else None
+    if cached is not None and _set_attention(model, cached.attn_implementation):
+        return cached
+    result = choose_mode(model)
+    if key is not None:
+        _write_cached(key, result)
+    return result
+
+
+def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None) -> TargetModel:
+    """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
+    the chosen mode; a refused model raises TargetError naming the model class and why."""
+    result = verify_check(model, use_cache)
+    print(result.line(), file=log or sys.stderr)
+    if result.mode == "refused":
+        name = getattr(model.config, "_name_or_path", "") or "(built in memory)"
+        raise TargetError(f"{flag} {name} ({type(model).__name__}) cannot be decoded exactly by this runtime: "
+                          f"{result.reason}")
+    return TargetModel(model, flag=flag, mode=result.mode)
