@@ -50,7 +50,8 @@ from data.runfiles import (
     replace_dir,
     temporary_dir,
 )
-from heads.loading import load_model, load_tokenizer, model_path
+from heads.cli import run_cli
+from heads.loading import describe_dtype, load_model, load_tokenizer, model_path
 
 MANIFEST = "manifest.json"
 SHARDS = "shards"
@@ -82,12 +83,27 @@ class DistillConfig:
                                "template).", False)
     dry_run: bool = _help("Answer the first prompt, print it tokenised with the learned span marked, write "
                           "nothing.", False)
-    dtype: str = _help("Model dtype for generation.", "float32")
+    dtype: str = _help("Dtype the target runs in: auto (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, "
+                       "float32 elsewhere), float32 or bfloat16.", "auto")
     revision: str | None = _help("Model revision (Hub models).")
     num_threads: int = _help("torch CPU threads.", 1)
+    mode: str = _help("generate: the target answers the prompts (self-distillation); teacher_forced: the "
+                      "conversations' own answers, tokenised without loading the model (data/teacher_forced.py).",
+                      "generate")
+    sources: list[str] | None = _help("teacher_forced: NAME=PATH[:CAP] entries (a prompt file, dataset or "
+                                      "distilled dataset directory; at most CAP conversations of it); default: "
+                                      "--prompts with --max_prompts.")
+    eval_fraction: float = _help("teacher_forced: share of conversations (by hash of their first user message) "
+                                 "written to OUT/eval instead of OUT, never trained on.", 0.0)
 
     def __post_init__(self) -> None:
-        for name in ("model", "prompts"):
+        if self.mode not in ("generate", "teacher_forced"):
+            raise ValueError(f"--mode must be generate or teacher_forced, got {self.mode!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.sources and self.mode != "teacher_forced":
+            raise ValueError("--sources is read by --mode teacher_forced only; use --prompts to generate")
+        for name in ("model",) if self.sources else ("model", "prompts"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")
         if not self.output_dir and not self.dry_run:
@@ -322,7 +338,8 @@ def run_identity(config: DistillConfig, model: PreTrainedModel, tokenizer: PreTr
         "shard_size": config.shard_size,
         "generation": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
                        "top_p": config.top_p if not config.greedy else 1.0, "seed": config.seed,
-                       "batch_size": config.batch_size, "max_length": max_length, "dtype": config.dtype},
+                       "batch_size": config.batch_size, "max_length": max_length,
+                       "dtype": str(model.dtype).removeprefix("torch.")},
     }
 
 
@@ -344,6 +361,10 @@ def run(config: DistillConfig) -> dict[str, Any]:
     """Distill (or resume distilling) into config.output_dir; returns the manifest (or a dry-run summary)."""
     from tqdm.auto import tqdm
 
+    if config.mode == "teacher_forced":
+        from data import teacher_forced  # imports this module
+
+        return teacher_forced.run(config)
     state = process_state()
     conversations, skipped_rows = read_conversations(config.prompts, config.max_prompts, config.split)
     if not conversations:
@@ -351,6 +372,8 @@ def run(config: DistillConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(config.model)
     chat_format(tokenizer, config.plain_format, model_name=config.model)  # fail on a missing template early
     model = load_model(config.model, dtype=config.dtype, device=state.device, revision=config.revision)
+    if state.is_main_process:
+        print(describe_dtype(model.dtype, config.dtype, state.device), file=sys.stderr)
     gen_eos = model.generation_config.eos_token_id
     fmt = chat_format(tokenizer, config.plain_format,
                       stop_token_ids=gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [],
@@ -424,5 +447,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
 

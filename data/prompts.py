@@ -9,7 +9,8 @@ Recognised row formats (the first row with a recognised column decides the forma
 | Alpaca    | `instruction` (+ `input`, + `output`)     | user = instruction + "\\n\\n" + input; assistant = output |
 | MT-Bench  | `turns`: [str, ...]                       | one user message per turn, no answers                |
 | GSM8K-like| `question` (+ `answer`)                   | user = question; assistant = answer                  |
-| plain     | `prompt` (HumanEval, prompt JSONL) or `text` | one user message                                   |
+| prompt    | `prompt` (+ `canonical_solution` HumanEval, or `completion` / `response`) | user = prompt; assistant = the answer column, when present |
+| plain     | `text`                                    | one user message                                     |
 
 Sources: a `.jsonl` file, a `.json` file holding a list of rows (or JSONL under a .json name), a `.parquet` /
 `.csv` file, or a directory / dataset name that `datasets.load_dataset` understands. Rows that do not parse
@@ -93,6 +94,17 @@ def _question(row: dict) -> Conversation:
     return conversation
 
 
+ANSWER_COLUMNS = ("canonical_solution", "completion", "response")  # of `prompt` rows, first present wins
+
+
+def _prompt(row: dict) -> Conversation:
+    conversation = [{"role": "user", "content": _text(row["prompt"], "prompt")}]
+    column = next((name for name in ANSWER_COLUMNS if row.get(name)), None)
+    if column is not None:
+        conversation.append({"role": "assistant", "content": _text(row[column], column)})
+    return conversation
+
+
 PARSERS = {
     "conversations": lambda row: _from_role_list(row["conversations"], "conversations", "from", "value",
                                                  SHAREGPT_ROLES),
@@ -100,7 +112,7 @@ PARSERS = {
     "instruction": _alpaca,
     "turns": _turns,
     "question": _question,
-    "prompt": lambda row: [{"role": "user", "content": _text(row["prompt"], "prompt")}],
+    "prompt": _prompt,
     "text": lambda row: [{"role": "user", "content": _text(row["text"], "text")}],
 }
 
@@ -137,7 +149,7 @@ def _json_rows(path: Path) -> tuple[list[tuple[int, Any]], list[SkippedRow]]:
             raise ValueError(f"--prompts {path}: a .json file must hold a list of rows, got an object "
                              f"with keys {sorted(data)[:10]}")
     rows, bad = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():
             continue
         try:
@@ -186,6 +198,13 @@ def read_conversations(source: str, max_rows: int | None = None, split: str = "t
     or 0-based row index (JSON list, datasets) and the reason. Raises FileNotFoundError / ValueError
     naming `source` when it cannot be read at all or has no recognised column.
     """
+    numbered, skipped = read_numbered_conversations(source, max_rows, split)
+    return [conversation for _, conversation in numbered], skipped
+
+
+def read_numbered_conversations(source: str, max_rows: int | None = None, split: str = "train"
+                                ) -> tuple[list[tuple[int, Conversation]], list[SkippedRow]]:
+    """`read_conversations`, each conversation with its line / row number (as SkippedRow.line counts)."""
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"--max_prompts must be >= 1, got {max_rows}")
     path = Path(source)
@@ -196,7 +215,7 @@ def read_conversations(source: str, max_rows: int | None = None, split: str = "t
     else:
         raise FileNotFoundError(f"--prompts {source}: no such file or directory")
 
-    conversations: list[Conversation] = []
+    conversations: list[tuple[int, Conversation]] = []
     fmt = None
     for number, row in rows:
         if fmt is None and isinstance(row, dict):
@@ -205,7 +224,7 @@ def read_conversations(source: str, max_rows: int | None = None, split: str = "t
             skipped.append(SkippedRow(number, f"no recognised column (expected one of {list(FORMAT_COLUMNS)})"))
             continue
         try:
-            conversations.append(parse_row(row, fmt))
+            conversations.append((number, parse_row(row, fmt)))
         except RowError as err:
             skipped.append(SkippedRow(number, str(err)))
         if max_rows is not None and len(conversations) >= max_rows:
