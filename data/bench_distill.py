@@ -32,7 +32,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     max_length: int = 1024
     plain_format: bool = False
-    dtype: str = "float32"
+    dtype: str = "auto"
     num_threads: int = 1
     output: str = "outputs/bench_distill.json"
 
@@ -74,4 +74,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from heads.cli import run_cli
+
+    run_cli(main)

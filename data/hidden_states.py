@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 
 from data.distill import tokenizer_hash
 from data.runfiles import atomic_write_json, check_run_identity, parse_config, process_state
-from heads.loading import load_model, load_tokenizer, parse_dtype
+from heads.cli import run_cli
+from heads.loading import describe_dtype, load_model, load_tokenizer, parse_dtype
 
 INDEX = "index.json"
 FORMAT_VERSION = 1
@@ -58,8 +59,11 @@ class HiddenStatesConfig:
     dataset: str | None = field(default=None, metadata={"help": "A data.distill output directory."})
     output_dir: str | None = field(default=None, metadata={"help": "Where shards and index.json go."})
     layers: str = field(default="-1", metadata={"help": "HF hidden_states indices, comma separated, or 'eagle3'."})
-    dtype: str = field(default="bfloat16", metadata={"help": "Storage dtype of the features."})
-    model_dtype: str = field(default="float32", metadata={"help": "Dtype the target runs in."})
+    dtype: str = field(default="bfloat16", metadata={"help": "Storage dtype of the features (bfloat16 halves the "
+                                                     "disk; independent of --model_dtype)."})
+    model_dtype: str = field(default="auto", metadata={"help": "Dtype the target runs in: auto (bfloat16 on CUDA "
+                                                       "and on CPUs with AVX512-BF16 or AMX, float32 elsewhere), "
+                                                       "float32 or bfloat16."})
     batch_size: int = field(default=8, metadata={"help": "Samples per forward."})
     shard_size: int = field(default=256, metadata={"help": "Samples per shard file."})
     max_samples: int | None = field(default=None, metadata={"help": "Only the first N dataset rows."})
@@ -179,7 +183,10 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
         raise ValueError(f"--dataset {dataset_dir} was tokenised for {manifest.get('model')!r}, whose vocabulary "
                          f"differs from --model {config.model}")
 
-    model = load_model(config.model, dtype=config.model_dtype, device=state.device, revision=config.revision)
+    model = load_model(config.model, dtype=config.model_dtype, device=state.device, revision=config.revision,
+                       dtype_flag="--model_dtype")
+    if state.is_main_process:
+        print("model_" + describe_dtype(model.dtype, config.model_dtype, state.device), file=sys.stderr)
     text_config = model.config.get_text_config()
     layers = parse_layers(config.layers, text_config.num_hidden_layers)
     dtype = parse_dtype(config.dtype)
@@ -189,7 +196,7 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
     output_dir = Path(config.output_dir)
     identity = {"format_version": FORMAT_VERSION, "model": config.model, "dataset": str(dataset_dir.resolve()),
                 "dataset_fingerprint": dataset._fingerprint, "num_samples": len(all_ids), "layers": layers,
-                "dtype": DTYPE_NAMES[dtype], "model_dtype": config.model_dtype, "shard_size": config.shard_size}
+                "dtype": DTYPE_NAMES[dtype], "model_dtype": DTYPE_NAMES[model.dtype], "shard_size": config.shard_size}
     todo = [s for s in range(num_shards) if not shard_file(output_dir, s).is_file()]
     remaining = disk_estimate([n for s in todo for n in lengths[s * config.shard_size:(s + 1) * config.shard_size]],
                               text_config.hidden_size, len(layers), dtype)
@@ -289,4 +296,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -182,14 +182,19 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 def load_model(
     name_or_path: str,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
     revision: str | None = None,
+    dtype_flag: str = "--dtype",
 ) -> PreTrainedModel:
-    """Load a causal LM in eval mode from a Hub id, a local directory or a GGUF file (cached conversion)."""
+    """Load a causal LM in eval mode from a Hub id, a local directory or a GGUF file (cached conversion).
+
+    dtype: 'auto' (bfloat16 where fast, float32 elsewhere: `resolve_dtype`), a name or a torch.dtype;
+    dtype_flag: the flag named in dtype errors and warnings (e.g. --target_dtype).
+    """
     path = model_path(name_or_path)
-    kwargs = {"dtype": resolve_dtype(dtype, device), "attn_implementation": attn_implementation}
+    kwargs = {"dtype": resolve_dtype(dtype, device, dtype_flag), "attn_implementation": attn_implementation}
     if revision is not None:
         kwargs["revision"] = revision
     try:

@@ -325,8 +325,9 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     config = gen_args.decode_config()
     prompts = read_prompts(bench_args.prompts, bench_args.max_prompts)
     tokenizer = load_tokenizer(gen_args.model)
-    model = load_model(gen_args.model, dtype=gen_args.dtype, attn_implementation=gen_args.attn_implementation,
+    model = load_model(gen_args.model, dtype=gen_args.model_dtype(), attn_implementation=gen_args.attn_implementation,
                        device=gen_args.device)
+    print(gen_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and the method share this model
     target = TargetModel(model)
     proposer = build_proposer(gen_args, target, tokenizer)
     plain = Autoregressive()
@@ -368,7 +369,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         "config": config_record,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(), "num_threads": torch.get_num_threads(),
-                        "device": str(target.device), "machine": platform.machine()},
+                        "device": str(target.device), "machine": platform.machine(),
+                        "dtype": str(model.dtype).removeprefix("torch.")},
         "overall": overall_record(records, method_stats),
         "prompts": records,
     }
@@ -385,4 +387,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from heads.cli import run_cli
+
+    run_cli(main)

@@ -40,7 +40,7 @@ from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.target import TargetModel
 
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
-             "repeats", "methods"}
+             "repeats", "methods", "dtype", "exact"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
 
 
@@ -84,11 +84,19 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import argparse
 
+    from heads.cli import DEBUG_FLAG, raise_flag_error
     from heads.loading import load_model, load_tokenizer
+    from runtime.config import GenerateArguments
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.error = raise_flag_error
     parser.add_argument("--config", required=True, help="YAML with the run keys and the methods list")
     parser.add_argument("--max_prompts", type=int, default=None, help="override the config's max_prompts")
+    parser.add_argument("--dtype", default=None, help="override the config's dtype (default auto: bfloat16 where "
+                        "fast, float32 elsewhere)")
+    parser.add_argument("--exact", action="store_true", default=None, help="float32, where greedy output is "
+                        "token-identical to plain decoding (overrides dtype)")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help="show Python tracebacks of errors")
     args = parser.parse_args(argv)
     path = Path(args.config)
     if not path.is_file():
@@ -106,8 +114,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warmup = dataclasses.replace(decode, max_new_tokens=min(int(config.get("warmup_tokens", 16)),
                                                             decode.max_new_tokens))
 
+    dtype_args = GenerateArguments(model=model_name, dtype=str(args.dtype or config.get("dtype", "auto")),
+                                   exact=bool(args.exact or config.get("exact", False)))
     tokenizer = load_tokenizer(model_name)
-    model = load_model(model_name)
+    model = load_model(model_name, dtype=dtype_args.model_dtype())
+    print(dtype_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and every drafter share it
+    dtype_name = str(model.dtype).removeprefix("torch.")
     target = TargetModel(model)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
@@ -144,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = []
         for name in proposers:
             overall = overall_record(records[name], stats[name])
-            result = {"config": {"model": model_name, "method": name, "spec": _spec_record(specs, name),
+            result = {"config": {"model": model_name, "dtype": dtype_name, "method": name,
+                                 "spec": _spec_record(specs, name),
                                  "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
                                  "repeats": repeats, "num_threads": torch.get_num_threads(), **built_info[name]},
                       "overall": overall, "prompts": records[name]}
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
                             "greedy_identical": overall["greedy_identical"],
                             **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
-        payload = {"model": model_name, "prompts": len(records[next(iter(proposers))]),
+        payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
                    "max_new_tokens": decode.max_new_tokens, "methods": summary}
         write_json_atomic(output_dir / "summary.json", payload)
         return payload
@@ -229,4 +242,6 @@ def print_summary(payload: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from heads.cli import run_cli
+
+    run_cli(main)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.sampling import SamplingConfig
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
@@ -105,11 +107,28 @@ class GenerateArguments:
                                                             "children per depth, e.g. '2,2' (empty = chain)"})
     max_ngram: int = field(default=3, metadata={"help": "prompt lookup: longest n-gram to match"})
     min_ngram: int = field(default=1, metadata={"help": "prompt lookup: shortest n-gram to match"})
-    dtype: str = field(default="float32", metadata={"help": "float32 / bfloat16 / float16 / float64"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
+                                                "AMX, float32 elsewhere) / float32 / bfloat16 / float16 / float64"})
+    exact: bool = field(default=False, metadata={"help": "force float32, where greedy output is token-identical to "
+                                                 "plain greedy decoding (overrides --dtype)"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     seed: int = field(default=0, metadata={"help": "random seed for sampling"})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+
+    def model_dtype(self) -> str:
+        """The dtype to load the target (and draft model) in: float32 under --exact, else --dtype."""
+        return "float32" if self.exact else self.dtype
+
+    def dtype_line(self, dtype: torch.dtype) -> str:
+        """The one line printed once the target is loaded: which dtype runs and why (--exact says what it overrides)."""
+        from heads.loading import describe_dtype
+
+        line = describe_dtype(dtype, self.model_dtype(), self.device)
+        if self.exact:
+            overridden = f"; overrides --dtype {self.dtype}" if self.dtype not in ("float32", "fp32") else ""
+            line += f" (--exact: greedy output token-identical to plain decoding{overridden})"
+        return line
 
     def speculation(self) -> SpeculationConfig:
         """--num_speculative_tokens K|auto -> SpeculationConfig (with --heads: the proposer's own size)."""

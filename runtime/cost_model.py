@@ -264,7 +264,8 @@ class CostModelArgs:
     random_llama3_8b: bool = field(default=False, metadata={
         "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    dtype: str = field(default="float32", metadata={"help": "float32 / bfloat16 / float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where fast, float32 elsewhere) / float32 / "
+                                                "bfloat16 / float16; curves are cached per dtype"})
     kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})
     max_tokens: int = field(default=256, metadata={"help": "largest verify size (root + tree nodes)"})
     repeats: int = field(default=7, metadata={"help": "timed repeats per size (median reported)"})
@@ -310,18 +311,19 @@ def _plot(curve: CostCurve, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import HfArgumentParser
-
-    from heads.loading import load_model, parse_dtype
+    from heads.cli import parse_flags
+    from heads.loading import describe_dtype, load_model, resolve_dtype
     from runtime.tree_search import expected_accepted_lengths
 
-    (args,) = HfArgumentParser(CostModelArgs).parse_args_into_dataclasses(args=argv)
+    args = parse_flags(CostModelArgs, argv)
     torch.set_num_threads(args.num_threads)
     if args.random_llama3_8b == bool(args.model):
         raise ValueError("pass exactly one of --model or --random_llama3_8b")
-    dtype = parse_dtype(args.dtype)
-    model = random_llama3_8b(args.device, dtype) if args.random_llama3_8b else \
-        load_model(args.model, dtype=dtype, device=args.device)
+    if args.random_llama3_8b:
+        model = random_llama3_8b(args.device, resolve_dtype(args.dtype, args.device))
+    else:
+        model = load_model(args.model, dtype=args.dtype, device=args.device)
+    print(describe_dtype(model.dtype, args.dtype, args.device), file=sys.stderr)
     curve = verify_cost_curve(TargetModel(model), args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
     result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
@@ -349,4 +351,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from heads.cli import run_cli
+
+    run_cli(main)

@@ -200,7 +200,7 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
     from runtime.proposers.draft_model import check_same_vocabulary
     draft_tokenizer = load_tokenizer(args.draft_model)
     check_same_vocabulary(tokenizer, draft_tokenizer)
-    draft = load_model(args.draft_model, dtype=args.dtype, attn_implementation=args.attn_implementation,
+    draft = load_model(args.draft_model, dtype=target.dtype, attn_implementation=args.attn_implementation,
                        device=args.device)
     return DraftModelProposer(draft, target_vocab_size=target.vocab_size, sampling=args.decode_config().sampling,
                               branching=args.branching(), seed=args.seed)
@@ -227,8 +227,9 @@ def main(argv: list[str] | None = None) -> GenerationStats:
     config = args.decode_config()
     args.resolved_method()
     tokenizer = load_tokenizer(args.model)
-    target = TargetModel(load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation,
+    target = TargetModel(load_model(args.model, dtype=args.model_dtype(), attn_implementation=args.attn_implementation,
                                     device=args.device))
+    print(args.dtype_line(target.dtype), file=sys.stderr)
     proposer = build_proposer(args, target, tokenizer)
     input_ids = encode_prompt(tokenizer, args.prompt)
     stats = GenerationStats()
@@ -250,4 +251,6 @@ def main(argv: list[str] | None = None) -> GenerationStats:
 
 
 if __name__ == "__main__":
-    main()
+    from heads.cli import run_cli
+
+    run_cli(main)

@@ -231,7 +231,8 @@ class TreeSearchArgs:
     accuracy: str = field(default="", metadata={"help": "instead of measuring: a JSON table "
                                                          "'[[head0 rank0, rank1, ...], [head1 ...], ...]'"})
     note: str = field(default="", metadata={"help": "extra line for the file's header comment"})
-    dtype: str = field(default="float32", metadata={"help": "target dtype"})
+    dtype: str = field(default="auto", metadata={"help": "target dtype: auto (bfloat16 where fast, float32 "
+                                                "elsewhere) / float32 / bfloat16"})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
 
 
@@ -239,10 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     import json
     import shlex
 
-    from transformers import HfArgumentParser
+    from heads.cli import parse_flags
 
     argv = sys.argv[1:] if argv is None else argv
-    (args,) = HfArgumentParser(TreeSearchArgs).parse_args_into_dataclasses(args=argv)
+    args = parse_flags(TreeSearchArgs, argv)
     torch.set_num_threads(args.num_threads)
     if args.accuracy:
         try:
@@ -277,8 +278,9 @@ def measure_accuracy_table(model, heads, sequences: Sequence[tuple[torch.Tensor,
     logits at t is counted. Returns accuracy[h][r] = P(rank == r), r < top_k (one row per head).
     """
     from heads.base import target_modules
+    from heads.medusa import shared_lm_head_rows
 
-    lm_head = target_modules(model).lm_head if heads.config.medusa_shared_lm_head else None
+    lm_head_rows = shared_lm_head_rows(target_modules(model).lm_head) if heads.config.medusa_shared_lm_head else None
     layer = heads.config.target_layers[0]
     hits = torch.zeros(heads.num_heads, top_k, dtype=torch.float64)
     counts = torch.zeros(heads.num_heads, dtype=torch.float64)
@@ -286,7 +288,7 @@ def measure_accuracy_table(model, heads, sequences: Sequence[tuple[torch.Tensor,
     for ids, prompt_length in sequences:
         ids = ids.to(device)
         hidden = model(ids[None], output_hidden_states=[layer]).hidden_states[layer]  # [1, T, H]
-        logits = heads(hidden.to(next(heads.parameters()).dtype), lm_head=lm_head)[:, 0].float()  # [K, T, V]
+        logits = heads.compute_logits(hidden.to(heads.dtype), lm_head_rows)[:, 0].float()  # [K, T, V]
         length = ids.numel()
         for h in range(heads.num_heads):
             positions = torch.arange(max(prompt_length - 1, 0), length - 2 - h, device=device)
@@ -305,12 +307,13 @@ def measure_accuracy_table(model, heads, sequences: Sequence[tuple[torch.Tensor,
 def measure_accuracy_table_cli(args: TreeSearchArgs) -> list[list[float]]:
     """Load target, heads and prompts per the CLI flags; greedy continuations; the accuracy table."""
     from heads.checkpoint import load_heads
-    from heads.loading import load_model, load_tokenizer
+    from heads.loading import describe_dtype, load_model, load_tokenizer
     from heads.medusa import MedusaHeads
     from runtime.bench import read_prompts
     from runtime.generate import encode_prompt
 
     model = load_model(args.model, dtype=args.dtype)
+    print(describe_dtype(model.dtype, args.dtype), file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     heads = load_heads(args.heads, target=model, target_name=args.model, dtype=model.dtype)
     if not isinstance(heads, MedusaHeads):
@@ -327,4 +330,6 @@ def measure_accuracy_table_cli(args: TreeSearchArgs) -> list[list[float]]:
 
 
 if __name__ == "__main__":
-    main()
+    from heads.cli import run_cli
+
+    run_cli(main)

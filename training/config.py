@@ -21,6 +21,7 @@ from heads.cli import parse_flags, read_recipe
 
 METHODS = ("medusa", "medusa2", "eagle", "eagle3", "mtp")
 REPORT_TO = ("none", "wandb", "tensorboard")
+TARGET_DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 CONFIG_FILE = "train_config.yaml"
 
 # Fields that may change between a checkpoint and its resumption without changing what is trained.
@@ -44,8 +45,9 @@ class TrainConfig:
     model: str = _help("Target model: Hub id, local directory or GGUF file.",
                        default="../shared/models/smollm2-135m-instruct")
     model_revision: str | None = _help("Hub revision of --model.", default=None)
-    target_dtype: str = _help("dtype the frozen target is loaded in (float32, bfloat16, float16).",
-                              default="float32")
+    target_dtype: str = _help("dtype the frozen target runs in: auto (bfloat16 on CUDA and on CPUs with "
+                              "AVX512-BF16 or AMX when --mixed_precision is bf16/fp16, else float32), float32, "
+                              "bfloat16 or float16.", default="auto")
     attn_implementation: str = _help("Attention backend of the target (sdpa, eager).", default="sdpa")
     dataset: str = _help("Distilled dataset directory (datasets.save_to_disk + manifest.json).", default="")
     features: str | None = _help("Hidden-state shards directory (data.hidden_states) for offline training; "
@@ -134,6 +136,8 @@ class TrainConfig:
         _check(self.report_to in REPORT_TO, "--report_to", f"one of {REPORT_TO}", self.report_to)
         _check(self.mixed_precision in (None, "no", "fp16", "bf16"), "--mixed_precision", "no, fp16 or bf16",
                self.mixed_precision)
+        _check(self.target_dtype == "auto" or self.target_dtype in TARGET_DTYPES, "--target_dtype",
+               f"auto or one of {TARGET_DTYPES}", self.target_dtype)
         for name in ("per_device_batch_size", "gradient_accumulation_steps", "num_heads", "num_layers",
                      "ttt_steps", "eval_depth", "eval_top_k", "max_length", "draft_vocab_size", "lora_r",
                      "eval_samples"):

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from heads.checkpoint import push_directory
-from heads.loading import load_model, parse_dtype
+from heads.cli import run_cli
+from heads.loading import describe_dtype, load_model, parse_dtype
 from training.batching import Collator, IndexedRows, split_rows
 from training.checkpoints import (
     TrainerState,
@@ -134,6 +135,19 @@ def save_checkpoint(accelerator: Accelerator, config: TrainConfig, state: Traine
     accelerator.wait_for_everyone()
 
 
+def target_dtype_request(target_dtype: str, mixed_precision: str) -> str:
+    """--target_dtype as load_model takes it. Heads train in float32, so a reduced-precision target needs
+    --mixed_precision bf16/fp16 (autocast): an explicit one without it is an error, auto then picks float32."""
+    if mixed_precision != "no":
+        return target_dtype
+    if target_dtype == "auto":
+        return "float32"
+    if parse_dtype(target_dtype) != torch.float32:
+        raise ValueError(f"--target_dtype {target_dtype}: heads train in float32, so a reduced-precision "
+                         "target needs --mixed_precision bf16/fp16 (autocast)")
+    return target_dtype
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 1. Configuration and processes. Nothing is written before the compatibility checks pass.
     config = parse_config(argv)
@@ -141,14 +155,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accelerator = make_accelerator(config)
     checkpoint = resolve_resume(config)
     check_compatible(config, checkpoint)
-    dtype = parse_dtype(config.target_dtype)
-    if dtype != torch.float32 and accelerator.mixed_precision == "no":
-        raise ValueError(f"--target_dtype {config.target_dtype}: heads train in float32, so a reduced-precision "
-                         "target needs --mixed_precision bf16/fp16 (autocast)")
+    requested = target_dtype_request(config.target_dtype, accelerator.mixed_precision)
 
     # 2. Target, data, heads.
-    target = load_model(config.model, dtype=dtype, attn_implementation=config.attn_implementation,
-                        device=accelerator.device, revision=config.model_revision)
+    target = load_model(config.model, dtype=requested, attn_implementation=config.attn_implementation,
+                        device=accelerator.device, revision=config.model_revision, dtype_flag="--target_dtype")
+    fallback = " (auto with --mixed_precision no)" if requested != config.target_dtype else ""
+    accelerator.print("target_" + describe_dtype(target.dtype, requested, accelerator.device) + fallback,
+                      file=sys.stderr)
     data = load_training_data(config, target)
     train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
     train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_rows)
@@ -249,11 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, NonFiniteLossError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main, errors=(NonFiniteLossError,))
     # Freeing a DDP module on gloo while the process group's worker thread still finishes the last collective
     # can deadlock on the GIL (seen with torch 2.13 CPU, about one run in three): everything is saved and
     # the trackers are closed, so leave without tearing the process group down.
