@@ -89,3 +89,20 @@ def split_rows(num_rows: int, eval_samples: int, seed: int) -> tuple[list[int], 
                          "keep some for training")
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[eval_samples:]), sorted(order[:eval_samples])
+
+
+def limit_by_tokens(token_counts: Sequence[int], indices: Sequence[int], max_tokens: int, seed: int) -> list[int]:
+    """A seeded random subset of `indices` holding at least `max_tokens` tokens (all when max_tokens is 0 or
+    more than they hold), sorted. token_counts[i]: assistant tokens of row i. Nested: for one seed, the subset
+    for N tokens is a prefix of the subset for any M > N (data-scaling runs see growing supersets)."""
+    if max_tokens <= 0:
+        return sorted(indices)
+    order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed)).tolist()
+    kept, total = [], 0
+    for position in order:
+        if total >= max_tokens:
+            break
+        row = indices[position]
+        kept.append(row)
+        total += int(token_counts[row])
+    return sorted(kept)

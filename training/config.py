@@ -59,6 +59,10 @@ class TrainConfig:
     num_heads: int = _help("Medusa heads / MTP depths.", default=4)
     num_layers: int = _help("Medusa: ResBlocks per head. EAGLE/EAGLE-3/MTP: decoder layers per module.",
                             default=1)
+    medusa_shared_lm_head: bool = _help("Medusa-1/2: every head projects through the target's frozen LM head, so "
+                                        "only the ResBlocks train (H^2+H parameters per block; 0.33M per head on "
+                                        "SmolLM2 instead of 28.6M); false = each head owns a Linear(H, V) "
+                                        "initialised from the LM head.", default=False)
     eagle3_layers: str = _help("EAGLE-3 target layers as HF hidden_states indices 'low,mid,high'; "
                                "empty = (2, L//2, L-3).", default="")
     draft_vocab_size: int = _help("EAGLE-3 draft vocabulary size (most frequent training tokens).",
@@ -106,7 +110,16 @@ class TrainConfig:
     seed: int = _help("Seed for head initialisation, data order and noise.", default=0)
 
     # --- evaluation, checkpoints, logging
-    eval_samples: int = _help("Held-out sequences (taken from the dataset, never trained on).", default=32)
+    eval_samples: int = _help("Held-out sequences (taken from the dataset, never trained on; with --eval_dataset "
+                              "the first N rows of that dataset).", default=32)
+    eval_dataset: str = _help("A separate held-out dataset (e.g. the target's own answers to MT-Bench first turns, "
+                              "python -m data.distill); then every --dataset row trains and evaluation runs the "
+                              "target online on this one. Empty = hold out --eval_samples rows of --dataset.",
+                              default="")
+    max_train_tokens: int = _help("Train on a seeded random subset of the training rows holding at least this many "
+                                  "assistant (loss-mask) tokens; 0 = all rows. For data-scaling runs.", default=0)
+    warmup_ratio: float = _help("Warmup steps as a share of all optimizer steps (the larger of this and "
+                                "--warmup_steps is used).", default=0.0)
     eval_steps: int = _help("Evaluate every N optimizer steps (and at the end); 0 = only at the end.",
                             default=200)
     eval_depth: int = _help("Depths measured for EAGLE/EAGLE-3 (drafts unrolled on their own outputs).",
@@ -151,6 +164,8 @@ class TrainConfig:
         _check(0 < self.head_decay <= 1, "--head_decay", "a value in (0, 1]", self.head_decay)
         _check(self.learning_rate > 0, "--learning_rate", "> 0", self.learning_rate)
         _check(self.feature_noise >= 0, "--feature_noise", ">= 0", self.feature_noise)
+        _check(self.max_train_tokens >= 0, "--max_train_tokens", "an integer >= 0", self.max_train_tokens)
+        _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)
         if self.method == "medusa2" and self.features:
             raise ValueError("--features: medusa2 trains LoRA on the target, so it needs the online target "

@@ -74,6 +74,29 @@ def check_manifest(config: TrainConfig) -> dict[str, Any]:
     return manifest
 
 
+def assistant_token_counts(rows: Any) -> list[int]:
+    """Loss-mask tokens per row (what --max_train_tokens counts)."""
+    return [sum(mask) for mask in rows["loss_mask"]]
+
+
+def load_eval_rows(config: TrainConfig) -> Any:
+    """The --eval_dataset rows (checked against --model like --dataset); evaluated with the target online."""
+    import dataclasses
+
+    import datasets
+
+    path = Path(config.eval_dataset)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--eval_dataset {config.eval_dataset!r}: no such directory (expected a dataset "
+                                "written by python -m data.distill)")
+    check_manifest(dataclasses.replace(config, dataset=config.eval_dataset))
+    rows = datasets.load_from_disk(str(path))
+    missing = {"input_ids", "loss_mask"} - set(rows.column_names)
+    if missing:
+        raise ValueError(f"--eval_dataset {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
+    return rows
+
+
 def load_training_data(config: TrainConfig, target: nn.Module) -> TrainingData:
     """Load --dataset (checking its manifest against --model) and, with --features, the shard reader."""
     import datasets

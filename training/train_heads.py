@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from heads.checkpoint import push_directory
 from heads.cli import run_cli
 from heads.loading import describe_dtype, load_model, parse_dtype
-from training.batching import Collator, IndexedRows, split_rows
+from training.batching import Collator, IndexedRows, limit_by_tokens, split_rows
 from training.checkpoints import (
     TrainerState,
     check_compatible,
@@ -41,7 +41,13 @@ from training.checkpoints import (
     temporary_checkpoint_path,
 )
 from training.config import TrainConfig, parse_config, save_config
-from training.data_source import TrainingData, check_feature_layers, load_training_data
+from training.data_source import (
+    TrainingData,
+    assistant_token_counts,
+    check_feature_layers,
+    load_eval_rows,
+    load_training_data,
+)
 from training.evaluation import depth_metrics, per_depth
 from training.loop import (
     NonFiniteLossError,
@@ -81,8 +87,26 @@ def make_accelerator(config: TrainConfig) -> Accelerator:
     return accelerator
 
 
+def held_out(config: TrainConfig, data: TrainingData, counts: list[int]) -> tuple[list[int], TrainingData, list[int]]:
+    """(training rows of --dataset, the held-out data, its evaluated rows).
+
+    Without --eval_dataset, --eval_samples seeded rows of --dataset are held out; with it, every --dataset row
+    may train and the first --eval_samples rows of --eval_dataset are evaluated (target online). Then
+    --max_train_tokens keeps a seeded subset of the training rows (counts[i]: assistant tokens of row i).
+    """
+    if config.eval_dataset:
+        eval_data = TrainingData(load_eval_rows(config), None, data.pad_token_id)
+        train_rows = list(range(len(data.rows)))
+        eval_rows = list(range(min(config.eval_samples, len(eval_data.rows))))
+    else:
+        eval_data = data
+        train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
+    train_rows = limit_by_tokens(counts, train_rows, config.max_train_tokens, config.seed)
+    return train_rows, eval_data, eval_rows
+
+
 def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, train_rows: list[int],
-            eval_rows: list[int]) -> tuple[DataLoader, DataLoader]:
+            eval_data: TrainingData, eval_rows: list[int]) -> tuple[DataLoader, DataLoader]:
     """(training loader, to be prepared; this process's equal-size evaluation shard loader)."""
     global_batch = config.per_device_batch_size * accelerator.num_processes
     if len(train_rows) < global_batch:
@@ -92,7 +116,7 @@ def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, t
     train = DataLoader(IndexedRows(data.rows, train_rows, data.features), batch_size=config.per_device_batch_size,
                        shuffle=True, drop_last=True, collate_fn=collate, num_workers=config.dataloader_num_workers)
     shard = shard_rows(eval_rows, accelerator.process_index, accelerator.num_processes)
-    held_out = DataLoader(IndexedRows(data.rows, shard, data.features, filler=eval_rows[0]),
+    held_out = DataLoader(IndexedRows(eval_data.rows, shard, eval_data.features, filler=eval_rows[0]),
                           batch_size=config.per_device_batch_size, collate_fn=collate)
     return train, held_out
 
@@ -164,8 +188,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accelerator.print("target_" + describe_dtype(target.dtype, requested, accelerator.device) + fallback,
                       file=sys.stderr)
     data = load_training_data(config, target)
-    train_rows, eval_rows = split_rows(len(data.rows), config.eval_samples, config.seed)
-    train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_rows)
+    counts = assistant_token_counts(data.rows)
+    train_rows, eval_data, eval_rows = held_out(config, data, counts)
+    accelerator.print(f"training on {len(train_rows)} rows ({sum(counts[r] for r in train_rows)} assistant tokens); "
+                      f"evaluating {len(eval_rows)} held-out rows of {config.eval_dataset or config.dataset}")
+    train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_data, eval_rows)
     module = build_training_module(config, target, lambda: data.assistant_tokens(train_rows))
     check_feature_layers(data.features, module.feature_layers, config)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -173,8 +200,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   weight_decay=config.weight_decay)
     steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
                         config.gradient_accumulation_steps)
+    warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, config.warmup_steps, steps, config.min_lr_ratio))
+        optimizer, lambda s: cosine_with_warmup(s, warmup, steps, config.min_lr_ratio))
     module, optimizer, train_loader = accelerator.prepare(module, optimizer, train_loader)
     if accelerator.num_processes > 1:
         _KEEP_UNTIL_EXIT.append(module)
@@ -235,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 5. Final evaluation, heads directory (+ adapter / merged target for Medusa-2), Hub.
     eval_metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
     final = {"step": state.step, **eval_metrics, **resource_metrics(accelerator, state.step - started_step,
-                                                                   global_batch, train_seconds)}
+                                                                   global_batch, train_seconds),
+             "train/rows": len(train_rows), "train/assistant_tokens": sum(counts[r] for r in train_rows)}
     accelerator.log(final, step=state.step)
     heads_dir = Path(config.heads_dir or Path(config.output_dir) / "heads")
     accelerator.wait_for_everyone()

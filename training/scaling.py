@@ -1,0 +1,172 @@
+"""Data-scaling curve: train each method on growing subsets of one dataset, evaluate on one held-out set.
+
+    python -m training.scaling --config configs/scaling_smollm2.yaml
+
+For every method and every size N (assistant tokens), `training/train_heads.py` runs with the method's recipe,
+`--max_train_tokens N` (nested seeded subsets: the rows of a smaller size are among those of every larger one),
+the same epochs for every size (so optimizer steps grow with the tokens: one steps-per-token rule) and the same
+`--eval_dataset`. Each run lives in `<output_dir>/<method>_<N>`; a run whose final metrics are on disk is not
+run again (kill and rerun to resume). After every run the results JSON is rewritten atomically; at the end a PNG
+shows held-out tau and per-depth top-1 against the data size.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from heads.cli import parse_flags, run_cli
+
+
+def _help(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class ScalingConfig:
+    """Flags of `python -m training.scaling` (also the keys of configs/scaling_*.yaml)."""
+
+    dataset: str = _help("Training dataset (python -m data.distill, either mode).", "")
+    features: str | None = _help("Hidden-state shards of --dataset (python -m data.hidden_states); unset = online.")
+    eval_dataset: str = _help("Held-out dataset every run is evaluated on (the target's own answers).", "")
+    methods: str = _help("Comma-separated methods, each trained with its recipe (see --recipes).", "eagle,eagle3,medusa")
+    recipes: str = _help("Recipe per method: a pattern with {method}.", "configs/{method}_smollm2.yaml")
+    token_sizes: str = _help("Comma-separated training sizes in assistant tokens, increasing.", "10000,30000,100000")
+    num_epochs: float = _help("Epochs over each subset (the same for every size).", 1.0)
+    eval_samples: int = _help("Held-out rows evaluated per run.", 80)
+    eval_top_k: int = _help("k of the top-k accuracy.", 3)
+    extra_flags: str = _help("More flags for every run, e.g. '--learning_rate 3e-4'.", "")
+    output_dir: str = _help("Run directories go here.", "outputs/scaling/smollm2")
+    results_json: str = _help("Results (rewritten after every run).", "results/scaling_smollm2.json")
+    plot: str = _help("PNG of tau and top-1 per depth vs data size; empty = none.", "results/scaling_smollm2.png")
+
+    def __post_init__(self) -> None:
+        for name in ("dataset", "eval_dataset"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name} is required")
+        sizes = self.sizes()
+        if not sizes or any(n < 1 for n in sizes) or sizes != sorted(sizes):
+            raise ValueError(f"--token_sizes: expected increasing positive integers, got {self.token_sizes!r}")
+        if "{method}" not in self.recipes:
+            raise ValueError(f"--recipes: expected a pattern containing {{method}}, got {self.recipes!r}")
+        for method in self.method_list():
+            if not Path(self.recipes.format(method=method)).is_file():
+                raise FileNotFoundError(f"--recipes: no recipe {self.recipes.format(method=method)} for method {method}")
+
+    def sizes(self) -> list[int]:
+        try:
+            return [int(x) for x in self.token_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--token_sizes: expected comma-separated integers, got {self.token_sizes!r}") from None
+
+    def method_list(self) -> list[str]:
+        return [m.strip() for m in self.methods.split(",") if m.strip()]
+
+
+def final_record(run_dir: Path) -> dict[str, Any] | None:
+    """The last line of a finished run's metrics.jsonl (the one with training throughput), else None."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    finished = [r for r in records if "train/seconds" in r]
+    return finished[-1] if finished else None
+
+
+def per_depth(record: dict[str, Any], name: str) -> list[float]:
+    values, depth = [], 0
+    while f"eval/{name}_d{depth}" in record:
+        values.append(round(record[f"eval/{name}_d{depth}"], 4))
+        depth += 1
+    return values
+
+
+def summarise(method: str, size: int, record: dict[str, Any], top_k: int) -> dict[str, Any]:
+    return {"method": method, "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
+            "train_rows": record.get("train/rows"), "steps": record["step"],
+            "top1_per_depth": per_depth(record, "top1"), f"top{top_k}_per_depth": per_depth(record, f"top{top_k}"),
+            "expected_tau": round(record["eval/acceptance_length"], 4), "eval_tokens": int(record["eval/tokens"]),
+            "train_seconds": round(record["train/seconds"], 1),
+            "samples_per_second": round(record["train/samples_per_second"], 3)}
+
+
+def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) -> list[str]:
+    script = Path(__file__).resolve().parent / "train_heads.py"
+    command = [sys.executable, str(script), "--config", config.recipes.format(method=method),
+               "--dataset", config.dataset, "--eval_dataset", config.eval_dataset,
+               "--eval_samples", str(config.eval_samples), "--eval_top_k", str(config.eval_top_k),
+               "--max_train_tokens", str(size), "--max_steps", "-1", "--num_epochs", str(config.num_epochs),
+               "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(run_dir),
+               "--heads_dir", str(run_dir / "heads"), "--progress_bar", "false", "--resume_from", "none"]
+    if config.features:
+        command += ["--features", config.features]
+    return command + config.extra_flags.split()
+
+
+def write_results(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
+    from data.runfiles import atomic_write_json
+
+    atomic_write_json(Path(config.results_json), {"config": asdict(config), "runs": runs})
+
+
+def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in config.method_list():
+        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["train_tokens"])
+        if not mine:
+            continue
+        tokens = [r["train_tokens"] for r in mine]
+        left.plot(tokens, [r["expected_tau"] for r in mine], marker="o", label=method)
+        right.plot(tokens, [r["top1_per_depth"][0] for r in mine], marker="o", label=f"{method} depth 0")
+        if len(mine[0]["top1_per_depth"]) > 1:
+            right.plot(tokens, [r["top1_per_depth"][1] for r in mine], marker="x", linestyle="--",
+                       label=f"{method} depth 1")
+    for axis, label in ((left, "expected tau (greedy chain, held out)"), (right, "held-out top-1")):
+        axis.set_xscale("log")
+        axis.set_xlabel("training assistant tokens")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.suptitle(f"data scaling: {Path(config.dataset).name}, held out on {Path(config.eval_dataset).name}")
+    fig.tight_layout()
+    Path(config.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(config.plot, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    config = parse_flags(ScalingConfig, argv)
+    runs: list[dict[str, Any]] = []
+    for size in config.sizes():
+        for method in config.method_list():
+            run_dir = Path(config.output_dir) / f"{method}_{size}"
+            record = final_record(run_dir)
+            if record is None:
+                print(f"[scaling] {method}, {size} assistant tokens -> {run_dir}", flush=True)
+                started = time.perf_counter()
+                subprocess.run(train_command(config, method, size, run_dir), check=True)
+                record = final_record(run_dir)
+                if record is None:
+                    raise ValueError(f"{run_dir}: training finished without final metrics")
+                print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
+            runs.append(summarise(method, size, record, config.eval_top_k))
+            write_results(config, runs)
+            row = runs[-1]
+            print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
+                  f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
+    if config.plot:
+        plot(config, runs)
+    return runs
+
+
+if __name__ == "__main__":
+    run_cli(main)
