@@ -9,7 +9,7 @@ Recognised row formats (the first row with a recognised column decides the forma
 | Alpaca    | `instruction` (+ `input`, + `output`)     | user = instruction + "\\n\\n" + input; assistant = output |
 | MT-Bench  | `turns`: [str, ...]                       | one user message per turn, no answers                |
 | GSM8K-like| `question` (+ `answer`)                   | user = question; assistant = answer                  |
-| prompt    | `prompt` (+ `canonical_solution` HumanEval, or `completion` / `response`) | user = prompt; assistant = the answer column, when present |
+| prompt    | `prompt` (+ `canonical_solution`, or `completion` / `response`) | user = prompt; assistant = prompt + canonical_solution (HumanEval: the whole function) or the answer column |
 | plain     | `text`                                    | one user message                                     |
 
 Sources: a `.jsonl` file, a `.json` file holding a list of rows (or JSONL under a .json name), a `.parquet` /
@@ -98,9 +98,15 @@ ANSWER_COLUMNS = ("canonical_solution", "completion", "response")  # of `prompt`
 
 
 def _prompt(row: dict) -> Conversation:
-    conversation = [{"role": "user", "content": _text(row["prompt"], "prompt")}]
+    prompt = _text(row["prompt"], "prompt")
+    conversation = [{"role": "user", "content": prompt}]
     column = next((name for name in ANSWER_COLUMNS if row.get(name)), None)
-    if column is not None:
+    if column == "canonical_solution":
+        # HumanEval: the solution continues the prompt's code (it starts with the body's indentation); the
+        # answer is the whole function, as a chat model writes it (a leading "    " would also merge with the
+        # template's "\n" into one token that starts before the answer and is never learned)
+        conversation.append({"role": "assistant", "content": prompt + _text(row[column], column)})
+    elif column is not None:
         conversation.append({"role": "assistant", "content": _text(row[column], column)})
     return conversation
 

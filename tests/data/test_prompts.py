@@ -125,3 +125,22 @@ def test_dataset_with_no_recognised_column(tmp_path):
     write_jsonl(folder / "train.jsonl", [{"foo": "x"}])
     with pytest.raises(ValueError, match="no recognised column in \\['foo'\\]"):
         read_conversations(str(folder))
+
+
+def test_prompt_rows_keep_their_answer_column(tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "def f():\n", "canonical_solution": "    return 1\n"},
+        {"prompt": "Q", "completion": "A"}, {"prompt": "only a prompt"}])
+    conversations, _ = read_conversations(source)
+    assert conversations == [
+        [{"role": "user", "content": "def f():\n"}, {"role": "assistant", "content": "def f():\n    return 1\n"}],
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+        [{"role": "user", "content": "only a prompt"}]]
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\n" + json.dumps({"prompt": "d"}))
+    conversations, skipped = read_conversations(str(path))
+    assert skipped == [] and conversations == [[{"role": "user", "content": "a\u2028b\x85c"}],
+                                               [{"role": "user", "content": "d"}]]
