@@ -75,11 +75,12 @@ class HeadsConfig:
     # Medusa
     medusa_num_heads: int = 5
     medusa_num_layers: int = 1
-    medusa_shared_lm_head: bool = False
+    medusa_shared_lm_head: bool = False  # project through the target's frozen LM head (only ResBlocks train)
     # EAGLE-1/2: vLLM's loader has no fc bias, SGLang's and the EAGLE reference's always have one (the SGLang /
     # reference exports write zeros), so bias-free heads export everywhere.
     eagle_fc_bias: bool = False
-    # EAGLE-3
+    # Draft vocabulary (heads.vocab): EAGLE-3's lm_head rows (0 -> vocab_size); Medusa/EAGLE-1/2/MTP: 0 = draft
+    # over the full target vocabulary, else the size of the d2t/t2d saved in draft_vocab.safetensors
     draft_vocab_size: int = 0
     # MTP
     mtp_num_depths: int = 1
@@ -126,12 +127,18 @@ class HeadsConfig:
         if self.kind == "medusa" and (self.medusa_num_heads < 1 or self.medusa_num_layers < 0):
             raise ValueError(f"HeadsConfig: medusa_num_heads >= 1 and medusa_num_layers >= 0 expected, got "
                              f"{self.medusa_num_heads}, {self.medusa_num_layers}")
+        if self.kind == "medusa" and self.medusa_shared_lm_head and self.medusa_num_layers < 1:
+            raise ValueError("HeadsConfig: medusa_shared_lm_head needs medusa_num_layers >= 1 (with no residual "
+                             "block a head would be the target's own LM head and predict token t+1)")
         if self.kind == "eagle3":
             if self.draft_vocab_size == 0:
                 self.draft_vocab_size = self.vocab_size
             if not 0 < self.draft_vocab_size <= self.vocab_size:
                 raise ValueError(f"HeadsConfig.draft_vocab_size: expected 1..vocab_size={self.vocab_size}, "
                                  f"got {self.draft_vocab_size}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"HeadsConfig.draft_vocab_size: expected 0 (full vocabulary) .. vocab_size="
+                             f"{self.vocab_size}, got {self.draft_vocab_size}")
         if self.kind == "mtp" and self.mtp_num_depths < 1:
             raise ValueError(f"HeadsConfig.mtp_num_depths: expected >= 1, got {self.mtp_num_depths}")
 
