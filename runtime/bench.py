@@ -31,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,11 @@ import torch
 import transformers
 
 from heads.cli import parse_flag_groups
-from runtime.config import DecodeConfig, GenerateArguments
+from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
+from runtime.cost_model import predicted_speedup
 from runtime.generate import GenerationStats, build_proposer, encode_prompt, generate
 from runtime.proposers import Autoregressive, Proposer
+from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
 
 
@@ -60,8 +64,29 @@ class BenchArguments:
     repeats: int = field(default=1, metadata={
         "help": "run every runner this many times per prompt (interleaved) and keep the fastest run of each: "
                 "robust to a noisy shared machine"})
+    turns: int = field(default=1, metadata={
+        "help": "user turns per conversation: 2 runs MT-Bench second turns too, with the first answer (plain greedy "
+                "decoding's) in context"})
+    oracle_sizes: str = field(default="", metadata={
+        "help": "comma-separated chain lengths (e.g. 1,2,4,8,16) for the oracle ceiling: a drafter that drafts plain "
+                "decoding's own continuation, so every draft is accepted; empty = off"})
+    plot: str = field(default="", metadata={
+        "help": "PNG with speed-up per method (and oracle size), acceptance per depth and the verify cost curve"})
+    answers_jsonl: str = field(default="", metadata={
+        "help": "answers in the Spec-Bench format (question_id, model_id, choices: turns, new_tokens, wall_time, "
+                "accept_lengths); plain decoding's answers go to the same name with '-plain' before the suffix"})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of defaults (keys = flag names of this command); flags given on the command line win"})
+
+    def oracle_chain_lengths(self) -> list[int]:
+        """--oracle_sizes '1,2,4' -> [1, 2, 4]."""
+        try:
+            sizes = [int(v) for v in self.oracle_sizes.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--oracle_sizes: expected comma-separated ints, got {self.oracle_sizes!r}") from None
+        if any(k < 1 for k in sizes):
+            raise ValueError(f"--oracle_sizes: chain lengths must be >= 1, got {sizes}")
+        return sorted(set(sizes))
 
 
 # ---------------------------------------------------------------- arguments
@@ -79,6 +104,16 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
         raise ValueError(f"--repeats must be >= 1, got {bench_args.repeats}")
     if bench_args.warmup_tokens < 0:
         raise ValueError(f"--warmup_tokens must be >= 0, got {bench_args.warmup_tokens}")
+    if bench_args.turns not in (1, 2):
+        raise ValueError(f"--turns must be 1 or 2, got {bench_args.turns}")
+    if bench_args.oracle_chain_lengths() and not gen_args.decode_config().sampling.is_greedy:
+        raise ValueError("--oracle_sizes: the oracle ceiling needs greedy decoding (--temperature 0)")
+    if bench_args.plot and Path(bench_args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {bench_args.plot}: expected a file name ending in one of {PLOT_SUFFIXES}")
+    for flag, path in (("--output_json", bench_args.output_json), ("--plot", bench_args.plot),
+                       ("--answers_jsonl", bench_args.answers_jsonl)):
+        if path:  # fail now, not after an hour of generation
+            check_writable(path, flag)
     if gen_args.attn_implementation not in SUPPORTED_ATTENTION:
         raise ValueError(f"--attn_implementation {gen_args.attn_implementation}: an attention backend that "
                          f"ignores custom masks cannot verify candidate trees; use one of {SUPPORTED_ATTENTION}")
@@ -87,17 +122,68 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
     return gen_args, bench_args
 
 
-def read_prompts(source: str, max_prompts: int) -> list[str]:
-    """The first user turn of each of the first `max_prompts` conversations in `source`."""
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Raise ValueError naming `flag` unless a file can be written at `path` (its folder is created)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; expected a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
+
+
+@dataclass(frozen=True)
+class Question:
+    """One conversation of the prompt file: its id (the file's question_id, else its position) and user turns."""
+
+    question_id: int | str
+    category: str
+    turns: list[str]
+
+
+def _row_metadata(source: str) -> list[dict[str, Any]]:
+    """question_id / category of each row of a JSONL prompt file (MT-Bench has both); [] for other sources."""
+    path = Path(source)
+    if not (path.is_file() and path.suffix == ".jsonl"):
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return []
+            rows.append(row if isinstance(row, dict) else {})
+    return rows
+
+
+def read_questions(source: str, max_prompts: int) -> list[Question]:
+    """The user turns of each of the first `max_prompts` conversations in `source`."""
     from data.prompts import read_conversations  # the CLI edge may read prompt files; runtime core may not
 
     conversations, skipped = read_conversations(source, max_rows=max_prompts)
     for row in skipped[:5]:
         print(f"[bench] --prompts {source}: skipped row {row.line}: {row.reason}", file=sys.stderr)
-    prompts = [next(m["content"] for m in conversation if m["role"] == "user") for conversation in conversations]
-    if not prompts:
+    if not conversations:
         raise ValueError(f"--prompts {source}: no usable prompt ({len(skipped)} rows skipped)")
-    return prompts
+    metadata = [] if skipped else _row_metadata(source)  # rows line up with conversations only if none skipped
+    questions = []
+    for i, conversation in enumerate(conversations):
+        meta = metadata[i] if i < len(metadata) else {}
+        questions.append(Question(question_id=meta.get("question_id", i), category=str(meta.get("category", "")),
+                                  turns=[m["content"] for m in conversation if m["role"] == "user"]))
+    return questions
+
+
+def read_prompts(source: str, max_prompts: int) -> list[str]:
+    """The first user turn of each of the first `max_prompts` conversations in `source`."""
+    return [question.turns[0] for question in read_questions(source, max_prompts)]
 
 
 # ---------------------------------------------------------------- runners
@@ -188,9 +274,32 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
+def _ratio_or_none(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else _ratio(a, b)
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def efficiency(method_stats: list[GenerationStats], plain_stats: list[GenerationStats]) -> dict[str, float | None]:
+    """Time shares of the method's calls (draft, target forward, overhead = the rest of each step, prefill) and
+    the speed-up the cost model predicts from its measured tau and per-step times (`predicted_speedup`)."""
+    total = sum(s.total_time for s in method_stats)
+    steps = sum(len(s.steps) for s in method_stats)
+    plain_steps = sum(len(s.steps) for s in plain_stats)
+    tau = sum(step.accepted_length for s in method_stats for step in s.steps) / steps if steps else 1.0
+    predicted = None
+    if steps and plain_steps:
+        predicted = predicted_speedup(tau, sum(s.verify_time for s in method_stats) / steps,
+                                      sum(s.draft_time for s in method_stats) / steps,
+                                      sum(s.verify_time for s in plain_stats) / plain_steps)
+    return {"draft_share": _share(sum(s.draft_time for s in method_stats), total),
+            "verify_share": _share(sum(s.verify_time for s in method_stats), total),
+            "overhead_share": _share(sum(s.overhead_time for s in method_stats), total),
+            "prefill_share": _share(sum(s.prefill_time for s in method_stats), total),
+            "predicted_speedup": predicted}
 
 
 def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: bool) -> dict[str, Any]:
@@ -201,14 +310,13 @@ def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: 
         "index": index, "prompt_tokens": prompt_length,
         "tau": stats.tau, "steps": len(stats.steps), "stop_reason": stats.stop_reason,
         "acceptance_per_depth": stats.acceptance_per_depth,
-        "draft_share": _share(stats.draft_time, stats.total_time),
-        "verify_share": _share(stats.verify_time, stats.total_time),
-        "prefill_share": _share(stats.prefill_time, stats.total_time),
+        **efficiency([stats], [runs["plain"].stats] if runs["plain"].stats else []),
     }
     for name, run in runs.items():
         record[name] = {"new_tokens": len(run.tokens), "seconds": run.seconds,
                         "tokens_per_second": run.tokens_per_second}
     record["speedup"] = _ratio(method.tokens_per_second, runs["plain"].tokens_per_second)
+    record["realised_over_predicted"] = _ratio_or_none(record["speedup"], record["predicted_speedup"])
     record["speedup_vs_hf"] = _ratio(method.tokens_per_second, runs["hf"].tokens_per_second)
     reference = runs["hf"].tokens
     record["greedy_identical"] = method.tokens == reference if greedy else None
@@ -220,8 +328,10 @@ def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: 
     return record
 
 
-def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationStats]) -> dict[str, Any]:
-    """Totals over prompts: tau over all steps, total tokens / total time, medians of per-prompt ratios."""
+def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationStats],
+                   plain_stats: list[GenerationStats] | None = None, dtype: str = "") -> dict[str, Any]:
+    """Totals over prompts: tau over all steps, total tokens / total time, medians of per-prompt ratios, time
+    shares and the cost model's predicted speed-up (from the plain runs' steps; None without them)."""
     steps = sum(len(s.steps) for s in method_stats)
     accepted = [0] * max((len(s.drafted_per_depth) for s in method_stats), default=0)
     drafted = list(accepted)
@@ -231,14 +341,11 @@ def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationS
                                        s.drafted_per_depth, strict=True)):
             accepted[d] += a
             drafted[d] += n
-    total_time = sum(s.total_time for s in method_stats)
     overall: dict[str, Any] = {
-        "prompts": len(records),
+        "prompts": len(records), "dtype": dtype,
         "tau": sum(sum(step.accepted_length for step in s.steps) for s in method_stats) / steps if steps else 1.0,
         "acceptance_per_depth": [a / n for a, n in zip(accepted, drafted, strict=True)],
-        "draft_share": _share(sum(s.draft_time for s in method_stats), total_time),
-        "verify_share": _share(sum(s.verify_time for s in method_stats), total_time),
-        "prefill_share": _share(sum(s.prefill_time for s in method_stats), total_time),
+        **efficiency(method_stats, plain_stats or []),
     }
     runners = [name for name in ("plain", "hf", "method", "hf_assisted") if name in records[0]]
     for name in runners:
@@ -248,6 +355,7 @@ def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationS
     tps = {name: overall[name]["tokens_per_second"] or 0.0 for name in runners}
     overall["speedup_median"] = _median([r["speedup"] for r in records])
     overall["speedup_total"] = _ratio(tps["method"], tps["plain"])
+    overall["realised_over_predicted"] = _ratio_or_none(overall["speedup_total"], overall["predicted_speedup"])
     overall["speedup_vs_hf_median"] = _median([r["speedup_vs_hf"] for r in records])
     overall["speedup_vs_hf_total"] = _ratio(tps["method"], tps["hf"])
     if "hf_assisted" in overall:
@@ -262,18 +370,82 @@ def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationS
     return overall
 
 
-def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> None:
+def oracle_rows(oracle_runs: dict[int, list[Run]], plain_runs: list[Run]) -> list[dict[str, Any]]:
+    """The ceiling table: per oracle chain length, tau, tokens/s, speed-up over plain decoding (total tokens /
+    total time, same prompts), the cost model's prediction and the time shares."""
+    plain_tps = _ratio(sum(len(r.tokens) for r in plain_runs), sum(r.seconds for r in plain_runs)) or 0.0
+    plain_stats = [r.stats for r in plain_runs]
+    rows = []
+    for size, runs in oracle_runs.items():
+        stats = [r.stats for r in runs]
+        tokens_per_second = _ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
+        steps = sum(len(s.steps) for s in stats)
+        row = {"size": size, "tau": sum(st.accepted_length for s in stats for st in s.steps) / steps if steps else 1.0,
+               "tokens_per_second": tokens_per_second, "speedup": _ratio(tokens_per_second, plain_tps),
+               **efficiency(stats, plain_stats),
+               "identical_to_plain": all(r.tokens == p.tokens for r, p in zip(runs, plain_runs, strict=True))}
+        row["realised_over_predicted"] = _ratio_or_none(row["speedup"], row["predicted_speedup"])
+        rows.append(row)
+    return rows
+
+
+def verify_cost_from_steps(stats: list[GenerationStats]) -> dict[str, list[float] | list[int]]:
+    """The verify cost curve measured in the run itself: median target-forward seconds per number of forwarded
+    tokens (root + drafted nodes) over every step of `stats`, and relative to a 1-token forward."""
+    samples: dict[int, list[float]] = {}
+    for s in stats:
+        for step in s.steps:
+            samples.setdefault(step.drafted_nodes + 1, []).append(step.verify_time)
+    tokens = sorted(samples)
+    medians = [statistics.median(samples[q]) for q in tokens]
+    base = medians[0] if tokens and tokens[0] == 1 else None
+    return {"tokens": tokens, "median_seconds": medians, "steps": [len(samples[q]) for q in tokens],
+            "relative": [m / base for m in medians] if base else []}
+
+
+def spec_bench_answers(transcripts: list[tuple[Question, list[dict[str, Run]]]], runner: str, model_id: str,
+                       decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    """One Spec-Bench answer row per question (the format of its evaluation/speed.py): choices[0] holds per
+    turn the answer text, new tokens, wall time and decoding steps, and the accepted length of every step."""
+    rows = []
+    for question, turn_runs in transcripts:
+        runs = [runs[runner] for runs in turn_runs]
+        accept_lengths = [step.accepted_length for run in runs for step in run.stats.steps]
+        choice = {"index": 0, "turns": [decode(run.tokens) for run in runs],
+                  "new_tokens": [len(run.tokens) for run in runs], "wall_time": [run.seconds for run in runs],
+                  "decoding_steps": [len(run.stats.steps) + 1 for run in runs],  # + the prefill's token
+                  "accept_lengths": accept_lengths}
+        rows.append({"question_id": question.question_id, "category": question.category or "overall",
+                     "answer_id": uuid.uuid4().hex, "model_id": model_id, "choices": [choice],
+                     "tstamp": time.time()})
+    return rows
+
+
+def plain_answers_path(path: str | Path) -> Path:
+    """answers.jsonl -> answers-plain.jsonl (plain decoding's answers, Spec-Bench's baseline file)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-plain{path.suffix}")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_jsonl_atomic(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -309,9 +481,65 @@ def print_table(result: dict[str, Any]) -> None:
     print(row("median", "", o, o["speedup_median"], o["speedup_vs_hf_median"],
               o["hf_assisted"]["speedup_vs_hf_median"] if has_hf_assisted else None))
     rates = ", ".join(f"{a:.2f}" for a in o["acceptance_per_depth"])
-    print(f"method {result['config']['method']}: tau {o['tau']:.2f}, acceptance per depth [{rates}], "
-          f"time shares draft {o['draft_share']:.2f} / verify {o['verify_share']:.2f} / prefill "
-          f"{o['prefill_share']:.2f}; greedy_identical: {o['greedy_identical']}")
+    print(f"method {result['config']['method']} ({o['dtype']}): tau {o['tau']:.2f}, acceptance per depth [{rates}], "
+          f"greedy_identical: {o['greedy_identical']}")
+    print(f"efficiency: speed-up {_fmt(o['speedup_total'], '.2f')}, predicted {_fmt(o['predicted_speedup'], '.2f')}"
+          f" (cost model: tau x plain step / (verify + draft) per step), realised/predicted "
+          f"{_fmt(o['realised_over_predicted'], '.2f')}; time shares draft {o['draft_share']:.3f} / verify "
+          f"{o['verify_share']:.3f} / overhead {o['overhead_share']:.3f} / prefill {o['prefill_share']:.3f}")
+    cost = result.get("verify_cost", {})
+    if cost.get("relative"):
+        curve = ", ".join(f"{q}: x{r:.2f}" for q, r in zip(cost["tokens"], cost["relative"], strict=True))
+        print(f"verify cost per forwarded tokens (median step, relative to 1 token): {curve}")
+    if "oracle" in result:
+        print_oracle(result["oracle"])
+
+
+def print_oracle(oracle: dict[str, Any]) -> None:
+    """The ceiling table: what a drafter that is always right and costs nothing gives per chain length."""
+    print(f"oracle ceiling ({Path(oracle['model']).name}, {oracle['dtype']}, {oracle['device']}, "
+          f"{oracle['num_threads']} threads): every draft token accepted")
+    print(f"{'chain':>5} {'tau':>6} {'tok/s':>7} {'speedup':>7} {'predicted':>9} {'real/pred':>9} {'draft':>6} "
+          f"{'overhead':>8}")
+    for r in oracle["rows"]:
+        print(f"{r['size']:>5} {r['tau']:>6.2f} {r['tokens_per_second']:>7.2f} {_fmt(r['speedup'], '7.2f')} "
+              f"{_fmt(r['predicted_speedup'], '9.2f')} {_fmt(r['realised_over_predicted'], '9.2f')} "
+              f"{r['draft_share']:>6.3f} {r['overhead_share']:>8.3f}")
+
+
+def plot_bench(result: dict[str, Any], path: str | Path) -> None:
+    """PNG (Agg): speed-up of the method and of each oracle chain length (realised bars, predicted markers),
+    the method's acceptance per depth, and the verify cost curve measured in the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    o = result["overall"]
+    labels = [result["config"]["method"]] + [f"oracle {r['size']}" for r in result.get("oracle", {}).get("rows", [])]
+    realised = [o["speedup_total"]] + [r["speedup"] for r in result.get("oracle", {}).get("rows", [])]
+    predicted = [o["predicted_speedup"]] + [r["predicted_speedup"] for r in result.get("oracle", {}).get("rows", [])]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    xs = range(len(labels))
+    ax[0].bar(xs, [v or 0.0 for v in realised], label="realised")
+    ax[0].plot(xs, [float("nan") if v is None else v for v in predicted], "o", color="black", label="predicted")
+    ax[0].axhline(1.0, color="grey", linewidth=0.8)
+    ax[0].set_xticks(list(xs), labels, rotation=30, ha="right")
+    ax[0].set(ylabel="speed-up over plain decoding", title=f"{Path(result['config']['model']).name} ({o['dtype']})")
+    ax[0].legend()
+    depths = range(1, len(o["acceptance_per_depth"]) + 1)
+    ax[1].plot(list(depths), o["acceptance_per_depth"], marker="o")
+    ax[1].set_xticks(list(depths))
+    ax[1].set(xlabel="draft depth", ylabel="acceptance rate", ylim=(0, 1.05),
+              title=f"{result['config']['method']}: tau {o['tau']:.2f}")
+    cost = result["verify_cost"]
+    ax[2].plot(cost["tokens"], [m * 1000 for m in cost["median_seconds"]], marker="o")
+    ax[2].set(xlabel="tokens per verify forward (root + drafted)", ylabel="median ms per forward",
+              title="verify cost (steps of this run)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------- main
@@ -323,20 +551,24 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
 
     method = gen_args.resolved_method()
     config = gen_args.decode_config()
-    prompts = read_prompts(bench_args.prompts, bench_args.max_prompts)
+    questions = read_questions(bench_args.prompts, bench_args.max_prompts)
     tokenizer = load_tokenizer(gen_args.model)
     model = load_model(gen_args.model, dtype=gen_args.model_dtype(), attn_implementation=gen_args.attn_implementation,
                        device=gen_args.device)
     print(gen_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and the method share this model
+    dtype = str(model.dtype).removeprefix("torch.")
     target = TargetModel(model)
     proposer = build_proposer(gen_args, target, tokenizer)
     plain = Autoregressive()
-    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
-    for i, ids in enumerate(encoded):
-        if ids.numel() == 0:
-            raise ValueError(f"--prompts {bench_args.prompts}: prompt {i} encodes to 0 tokens")
     assisted = hf_assisted_settings(gen_args, proposer) if bench_args.compare_hf else None
     greedy = config.sampling.is_greedy
+    oracle_sizes = bench_args.oracle_chain_lengths()
+
+    def encode(messages: list[dict[str, str]], index: int) -> torch.Tensor:
+        ids = encode_prompt(tokenizer, messages)
+        if ids.numel() == 0:
+            raise ValueError(f"--prompts {bench_args.prompts}: prompt {index} encodes to 0 tokens")
+        return ids
 
     def run_all(ids: torch.Tensor, decode: DecodeConfig) -> dict[str, Run]:
         gen_config = hf_generation_config(model, decode)
@@ -349,31 +581,64 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             runs["hf_assisted"] = run_hf(model, ids, assisted_config, decode.seed, **assisted[1])
         return runs
 
+    first = encode([{"role": "user", "content": questions[0].turns[0]}], 0)
     if bench_args.warmup_tokens > 0:  # untimed: first calls pay for allocation and lazy initialisation
-        run_all(encoded[0], dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens,
-                                                                          config.max_new_tokens)))
-    records, method_stats = [], []
-    for i, ids in enumerate(encoded):
-        runs = run_all(ids, config)
-        for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
-            again = run_all(ids, config)
-            runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
-        records.append(prompt_record(i, ids.numel(), runs, greedy))
-        method_stats.append(runs["method"].stats)
-        r = records[-1]
-        print(f"[bench] prompt {i + 1}/{len(encoded)}: {ids.numel()} prompt tokens, tau {r['tau']:.2f}, "
-              f"speed-up {_fmt(r['speedup'], '.2f')}, identical {r['greedy_identical']}", file=sys.stderr)
+        run_all(first, dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens,
+                                                                       config.max_new_tokens)))
+    records, method_runs, plain_runs = [], [], []
+    oracle_runs: dict[int, list[Run]] = {k: [] for k in oracle_sizes}
+    transcripts: list[tuple[Question, list[dict[str, Run]]]] = []  # per question, the runs of each turn
+    for i, question in enumerate(questions):
+        history: list[dict[str, str]] = []
+        turn_runs: list[dict[str, Run]] = []
+        for turn, text in enumerate(question.turns[:bench_args.turns]):
+            history.append({"role": "user", "content": text})
+            ids = encode(history, i)
+            runs = run_all(ids, config)
+            for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
+                again = run_all(ids, config)
+                runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
+            for k in oracle_sizes:  # drafts plain decoding's own continuation: every draft token is accepted
+                chain = dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=k,
+                                                                                  max_speculative_tokens=k))
+                oracle_runs[k].append(run_ours(target, OracleProposer(runs["plain"].tokens), ids, chain))
+            record = prompt_record(len(records), ids.numel(), runs, greedy)
+            records.append({"question_id": question.question_id, "turn": turn + 1, **record})
+            method_runs.append(runs["method"])
+            plain_runs.append(runs["plain"])
+            turn_runs.append(runs)
+            # the next turn sees plain greedy decoding's answer, so every runner gets the same prompt
+            history.append({"role": "assistant",
+                            "content": tokenizer.decode(runs["plain"].tokens, skip_special_tokens=True)})
+            print(f"[bench] prompt {i + 1}/{len(questions)} turn {turn + 1}: {ids.numel()} prompt tokens, tau "
+                  f"{record['tau']:.2f}, speed-up {_fmt(record['speedup'], '.2f')}, identical "
+                  f"{record['greedy_identical']}", file=sys.stderr)
+        transcripts.append((question, turn_runs))
     config_record = {**dataclasses.asdict(gen_args), **dataclasses.asdict(bench_args), "method": method}
     config_record.pop("prompt")
-    return {
+    all_stats = [run.stats for run in plain_runs + method_runs + [r for runs in oracle_runs.values() for r in runs]]
+    result = {
         "config": config_record,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(), "num_threads": torch.get_num_threads(),
                         "device": str(target.device), "machine": platform.machine(),
-                        "dtype": str(model.dtype).removeprefix("torch.")},
-        "overall": overall_record(records, method_stats),
+                        "dtype": dtype},
+        "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
+                                  dtype),
+        "verify_cost": verify_cost_from_steps(all_stats),
         "prompts": records,
     }
+    if oracle_sizes:
+        result["oracle"] = {"model": gen_args.model, "dtype": dtype, "device": str(target.device),
+                            "num_threads": torch.get_num_threads(), "rows": oracle_rows(oracle_runs, plain_runs)}
+    if bench_args.answers_jsonl:
+        model_id = f"{Path(gen_args.model).name}-{method}-{dtype}"
+        decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+        write_jsonl_atomic(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
+        write_jsonl_atomic(plain_answers_path(bench_args.answers_jsonl),
+                           spec_bench_answers(transcripts, "plain", f"{Path(gen_args.model).name}-plain-{dtype}",
+                                              decode))
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -383,6 +648,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_json_atomic(bench_args.output_json, result)
     print_table(result)
     print(f"[bench] wrote {bench_args.output_json}")
+    if bench_args.plot:
+        plot_bench(result, bench_args.plot)
+        print(f"[bench] wrote {bench_args.plot}")
+    if bench_args.answers_jsonl:
+        print(f"[bench] wrote {bench_args.answers_jsonl} and {plain_answers_path(bench_args.answers_jsonl)} "
+              "(Spec-Bench answer format)")
     return result
 
 

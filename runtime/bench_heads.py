@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from runtime.bench import (
+    _fmt,
     overall_record,
     prompt_record,
     read_prompts,
@@ -151,11 +152,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = int(config.get("repeats", 1))
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
+    plain_stats: list = []  # the plain runs' steps give the cost model's 1-token step time
     def write_results() -> dict[str, Any]:
         """Per-method JSON and summary.json over the prompts done so far (rewritten after every prompt)."""
         summary = []
         for name in proposers:
-            overall = overall_record(records[name], stats[name])
+            overall = overall_record(records[name], stats[name], plain_stats, dtype_name)
             result = {"config": {"model": model_name, "dtype": dtype_name, "method": name,
                                  "spec": _spec_record(specs, name),
                                  "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
@@ -169,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "method_tokens_per_second": overall["method"]["tokens_per_second"],
                             "speedup_total": overall["speedup_total"], "speedup_median": overall["speedup_median"],
                             "draft_share": overall["draft_share"], "verify_share": overall["verify_share"],
+                            "overhead_share": overall["overhead_share"],
+                            "predicted_speedup": overall["predicted_speedup"],
+                            "realised_over_predicted": overall["realised_over_predicted"],
                             "greedy_identical": overall["greedy_identical"],
                             **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
         payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hf = fastest(hf, run_hf(model, ids, gen_config, None))
             for name, proposer in proposers.items():
                 runs[name] = fastest(runs[name], run_ours(target, proposer, ids, limited(decode, name)))
+        plain_stats.append(plain.stats)
         for name in proposers:
             run = runs[name]
             records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
@@ -226,10 +232,12 @@ def _hf_config(model, decode: DecodeConfig):
 
 
 def print_summary(payload: dict[str, Any]) -> None:
-    """One line per method: tau, tokens/s, speed-up vs plain, draft/verify shares, greedy identity."""
+    """One line per method: tau, tokens/s, speed-up vs plain, draft/verify/overhead shares, greedy identity, the
+    speed-up predicted from the measured tau and step times (pred) and realised / pred, and the auto choice's
+    prediction from the heads' accuracy table (auto_pred)."""
     print(f"{payload['model']}: {payload['prompts']} prompts x {payload['max_new_tokens']} new tokens")
     print(f"{'method':<22} {'size':>4} {'tau':>5} {'plain/s':>8} {'method/s':>9} {'speedup':>7} {'draft':>6} "
-          f"{'verify':>6} {'ident':>5} {'predicted':>9}")
+          f"{'verify':>6} {'ovhd':>5} {'ident':>5} {'pred':>5} {'r/p':>5} {'auto_pred':>9}")
     for m in payload["methods"]:
         size = "-" if m["size"] is None else str(m["size"])
         ident = {True: "yes", False: "NO", None: "-"}[m["greedy_identical"]]
@@ -238,7 +246,8 @@ def print_summary(payload: dict[str, Any]) -> None:
             predicted = f"{m['predicted_tokens_per_second'] / m['predicted_plain_tokens_per_second']:.2f}"
         print(f"{m['method']:<22} {size:>4} {m['tau']:>5.2f} {m['plain_tokens_per_second']:>8.2f} "
               f"{m['method_tokens_per_second']:>9.2f} {m['speedup_total']:>7.2f} {m['draft_share']:>6.2f} "
-              f"{m['verify_share']:>6.2f} {ident:>5} {predicted:>9}")
+              f"{m['verify_share']:>6.2f} {m['overhead_share']:>5.2f} {ident:>5} {_fmt(m['predicted_speedup'], '5.2f')} "
+              f"{_fmt(m['realised_over_predicted'], '5.2f')} {predicted:>9}")
 
 
 if __name__ == "__main__":

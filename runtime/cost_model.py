@@ -239,6 +239,20 @@ def choose_tree_size(sizes: Sequence[int], expected_tau: Callable[[int], float],
     return SizeChoice(size=int(best["size"]), rows=rows)
 
 
+def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float) -> float | None:
+    """The cost model's speed-up over plain decoding: tau * t_plain / (t_verify + t_draft).
+
+    tau: mean accepted length per step (bonus included); verify_seconds / draft_seconds: mean target forward
+    and drafter time per speculative step; plain_seconds: mean target forward of one plain decoding step.
+    Loop overhead and prefill are left out on both sides, so realised / predicted < 1 measures what they
+    (and timing noise) cost. None when a time is not positive.
+    """
+    step = verify_seconds + draft_seconds
+    if step <= 0 or plain_seconds <= 0:
+        return None
+    return tau * plain_seconds / step
+
+
 def chain_expected_tau(per_depth_accuracy: Sequence[float]) -> Callable[[int], float]:
     """E[tau(n)] for a chain of n draft tokens whose depth-d token is right with prob acc[d] given the
     previous ones: 1 + sum_{d<n} prod_{i<=d} acc[i]. Beyond the measured depths the chain gains nothing."""

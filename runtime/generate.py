@@ -33,7 +33,8 @@ class StepStats:
     drafted_depth: int  # depth of the draft tree (chain length); 0 = nothing drafted
     drafted_nodes: int  # non-root nodes in the draft tree
     draft_time: float  # seconds in the proposer (propose + on_accept)
-    verify_time: float  # seconds in the target forward, acceptance and KV compaction
+    verify_time: float  # seconds in the target forward (`TargetModel.forward`, its tree mask included)
+    overhead_time: float = 0.0  # the rest of the step: checks, acceptance, KV compaction, bookkeeping
 
 
 @dataclass
@@ -77,6 +78,10 @@ class GenerationStats:
         return sum(s.verify_time for s in self.steps)
 
     @property
+    def overhead_time(self) -> float:
+        return sum(s.overhead_time for s in self.steps)
+
+    @property
     def tokens_per_second(self) -> float:
         """New tokens over the wall time of the whole call (prefill included)."""
         return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
@@ -84,7 +89,8 @@ class GenerationStats:
     def summary(self) -> dict[str, float | int | str | list[float]]:
         return {"tau": self.tau, "tokens_per_second": self.tokens_per_second, "new_tokens": self.new_tokens,
                 "steps": len(self.steps), "prefill_time": self.prefill_time, "draft_time": self.draft_time,
-                "verify_time": self.verify_time, "total_time": self.total_time, "stop_reason": self.stop_reason,
+                "verify_time": self.verify_time, "overhead_time": self.overhead_time, "total_time": self.total_time,
+                "stop_reason": self.stop_reason,
                 "acceptance_per_depth": self.acceptance_per_depth}
 
 
@@ -135,6 +141,7 @@ def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, c
     yield emitted
     length = SpeculationLength(config.speculation)
     while True:
+        step_start = _clock(target.device)  # step time = draft + verify + overhead (everything else)
         if int(emitted[-1]) in eos:
             stats.stop_reason = "eos"
             break
@@ -157,6 +164,8 @@ def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, c
         # 2. verify: every tree node in ONE target forward (tree mask, position_ids = prefix_len + depth)
         out = target.forward(draft.tokens, draft.tree, hidden_state_indices=indices)
 
+        t2 = _clock(target.device)
+
         # 3. accept: the longest acceptable path plus the target's own bonus token
         acceptance = accept(draft, out.logits, config.sampling, config.acceptance, generator)
 
@@ -168,16 +177,17 @@ def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, c
         if hits:
             emitted = emitted[:hits[0] + 1]
         committed = torch.cat([committed, emitted])
-        t2 = _clock(target.device)
-        proposer.on_accept(committed, draft, acceptance.accepted_nodes, out.hidden or None)
         t3 = _clock(target.device)
+        proposer.on_accept(committed, draft, acceptance.accepted_nodes, out.hidden or None)
+        t4 = _clock(target.device)
 
         length.update(draft.tree.max_depth, acceptance.accepted_length - 1)
+        draft_time, verify_time = (t1 - t0) + (t4 - t3), t2 - t1
         stats.record(StepStats(accepted_length=emitted.numel(), drafted_depth=draft.tree.max_depth,
-                               drafted_nodes=draft.tree.num_nodes - 1, draft_time=(t1 - t0) + (t3 - t2),
-                               verify_time=t2 - t1))
+                               drafted_nodes=draft.tree.num_nodes - 1, draft_time=draft_time, verify_time=verify_time,
+                               overhead_time=(t4 - step_start) - draft_time - verify_time))
         stats.new_tokens += emitted.numel()
-        stats.total_time = t3 - start_time
+        stats.total_time = t4 - start_time
         yield emitted
     stats.total_time = _clock(target.device) - start_time
 
@@ -206,13 +216,14 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
                               branching=args.branching(), seed=args.seed)
 
 
-def encode_prompt(tokenizer, prompt: str) -> torch.Tensor:
-    """Prompt text -> ids [T], through the chat template when the tokenizer has one."""
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:
+    """Prompt text (or a conversation [{role, content}, ...] ending in a user turn) -> ids [T], through the chat
+    template when the tokenizer has one (else the turns' texts joined by newlines)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long)
+    return torch.tensor(tokenizer("\n".join(m["content"] for m in messages))["input_ids"], dtype=torch.long)
 
 
 def main(argv: list[str] | None = None) -> GenerationStats:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from runtime.bench import main, parse_arguments
+from runtime.bench import main, parse_arguments, run_ours
 from tests.tiny_models import DATA, SMOLLM2, STORIES260K
 
 PROMPTS = str(DATA / "tinystories_sample.jsonl")
@@ -74,3 +75,91 @@ def test_config_yaml_gives_defaults_and_rejects_unknown_keys(tmp_path):
         parse_arguments(["--max_new_tokens", "0"])
     with pytest.raises(ValueError, match="--method"):
         parse_arguments(["--method", "medusa"])
+
+
+def _two_turn_prompts(tmp_path) -> str:
+    path = tmp_path / "mt_bench_like.jsonl"
+    rows = [{"question_id": 81, "category": "writing", "turns": ["Once upon a time", "Then the cat"]},
+            {"question_id": 82, "category": "math", "turns": ["Lily had a dog", "The end"]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_oracle_drafter_accepts_every_token_and_reproduces_plain_decoding():
+    """Drafting plain greedy decoding's own continuation: every step accepts the whole chain (tau = k + 1) except
+    the last, which max_new_tokens cuts."""
+    from heads.loading import load_model
+    from runtime.config import DecodeConfig, SpeculationConfig
+    from runtime.proposers import Autoregressive
+    from runtime.proposers.oracle import OracleProposer
+    from runtime.target import TargetModel
+
+    target = TargetModel(load_model(str(STORIES260K), dtype="float32"))
+    prompt = torch.tensor([1, 403, 407, 261, 378], dtype=torch.long)
+    plain = run_ours(target, Autoregressive(), prompt, DecodeConfig(max_new_tokens=24, eos_token_ids=()))
+    chain = DecodeConfig(max_new_tokens=24, eos_token_ids=(),
+                         speculation=SpeculationConfig(num_speculative_tokens=4, max_speculative_tokens=4))
+    oracle = run_ours(target, OracleProposer(plain.tokens), prompt, chain)
+    assert oracle.tokens == plain.tokens
+    lengths = [step.accepted_length for step in oracle.stats.steps]
+    assert lengths[:-1] == [5] * (len(lengths) - 1) and 1 <= lengths[-1] <= 5
+    assert all(step.accepted_length == step.drafted_depth + 1 for step in oracle.stats.steps)
+    assert all(step.overhead_time >= 0 and step.verify_time > 0 for step in oracle.stats.steps)
+
+
+def test_bench_efficiency_oracle_turns_answers_and_plot(tmp_path, capsys):
+    plot, answers = tmp_path / "plots" / "bench.png", tmp_path / "answers.jsonl"
+    out = tmp_path / "bench.json"
+    main(["--model", str(STORIES260K), "--prompts", _two_turn_prompts(tmp_path), "--max_prompts", "2",
+          "--max_new_tokens", "12", "--warmup_tokens", "4", "--output_json", str(out), "--method", "prompt_lookup",
+          "--turns", "2", "--oracle_sizes", "1,2", "--plot", str(plot), "--answers_jsonl", str(answers)])
+    written = json.loads(out.read_text())
+    overall = written["overall"]
+    for key in ("draft_share", "overhead_share", "predicted_speedup", "realised_over_predicted"):
+        assert isinstance(overall[key], float), key
+    assert overall["dtype"] == "float32" and 0 <= overall["overhead_share"] < 1
+    assert overall["realised_over_predicted"] == pytest.approx(overall["speedup_total"] / overall["predicted_speedup"])
+    assert [(r["question_id"], r["turn"]) for r in written["prompts"]] == [(81, 1), (81, 2), (82, 1), (82, 2)]
+    assert written["prompts"][1]["prompt_tokens"] > written["prompts"][0]["prompt_tokens"] + 10  # answer in context
+    rows = written["oracle"]["rows"]
+    assert [r["size"] for r in rows] == [1, 2] and all(r["identical_to_plain"] for r in rows)
+    assert rows[1]["tau"] > rows[0]["tau"] > 1.5 and written["oracle"]["dtype"] == "float32"
+    assert written["verify_cost"]["tokens"][0] == 1 and written["verify_cost"]["relative"][0] == 1.0
+    for path, runner in ((answers, "method"), (tmp_path / "answers-plain.jsonl", "plain")):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [line["question_id"] for line in lines] == [81, 82]
+        for line, records in zip(lines, (written["prompts"][:2], written["prompts"][2:]), strict=True):
+            assert {"question_id", "category", "answer_id", "model_id", "choices"} <= set(line)
+            choice = line["choices"][0]
+            assert choice["index"] == 0 and len(choice["turns"]) == 2 and all(isinstance(t, str) for t in choice["turns"])
+            assert choice["new_tokens"] == [r[runner]["new_tokens"] for r in records]
+            assert choice["wall_time"] == [r[runner]["seconds"] for r in records]
+            assert sum(choice["accept_lengths"]) == sum(choice["new_tokens"]) - 2  # the prefill token is no step
+    assert plot.stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "oracle ceiling" in printed and "realised/predicted" in printed
+
+
+def test_unwritable_outputs_fail_before_generation(tmp_path, monkeypatch):
+    import runtime.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("generation started"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--plot .*cannot write"):
+        bench.main(["--model", str(STORIES260K), "--plot", str(blocker / "out.png")])
+    with pytest.raises(ValueError, match="--answers_jsonl .*cannot write"):
+        bench.main(["--model", str(STORIES260K), "--answers_jsonl", str(blocker / "a.jsonl")])
+    with pytest.raises(ValueError, match="--plot .*ending in"):
+        bench.main(["--model", str(STORIES260K), "--plot", str(tmp_path / "out.txt")])
+    with pytest.raises(ValueError, match="--oracle_sizes"):
+        bench.main(["--oracle_sizes", "2,x"])
+    with pytest.raises(ValueError, match="--turns"):
+        bench.main(["--turns", "3"])
+
+
+def test_predicted_speedup_is_tau_times_plain_step_over_step_time():
+    from runtime.cost_model import predicted_speedup
+
+    assert predicted_speedup(3.0, verify_seconds=0.02, draft_seconds=0.01, plain_seconds=0.015) == pytest.approx(1.5)
+    assert predicted_speedup(1.0, 0.0, 0.0, 0.01) is None
