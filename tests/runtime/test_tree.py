@@ -42,9 +42,20 @@ def test_mask_prefix_ancestors_and_window():
     assert mask[0, 0, 0, 5] == 0 and mask[0, 0, 0, 4] == torch.finfo(torch.float64).min
 
 
-def _tree_matches_paths(model, prefix_len=13, parents=PARENTS, seed=0, atol=2e-5):
+def _tree_matches_paths(model, prefix_len=13, parents=PARENTS, seed=0, atol=2e-5, scale_tol=None):
     """Prefill a random prefix, forward a random-token tree in one call, compare every node with a causal
-    no-cache forward over prefix + its root-to-node path (logits and two hidden-state indices)."""
+    no-cache forward over prefix + its root-to-node path (logits and two hidden-state indices).
+
+    scale_tol: instead of atol / rtol 1e-4, allow |tree - path| <= scale_tol * max|path| per tensor (reduced
+    precision, whose rounding error scales with the largest values)."""
+
+    def assert_close(actual, expected):
+        if scale_tol is None:
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+        else:
+            expected = expected.float()
+            torch.testing.assert_close(actual.float(), expected, atol=scale_tol * expected.abs().max().item(), rtol=0)
+
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config().vocab_size
     prefix = torch.randint(3, vocab, (prefix_len,), generator=generator)
@@ -60,10 +71,9 @@ def _tree_matches_paths(model, prefix_len=13, parents=PARENTS, seed=0, atol=2e-5
             ids = torch.cat([prefix[:-1], tokens[leaf_path]])[None]
             ref = model(input_ids=ids, output_hidden_states=True)
             rows = slice(prefix_len - 1, None)
-            torch.testing.assert_close(out.logits[leaf_path], ref.logits[0, rows], atol=atol, rtol=1e-4)
+            assert_close(out.logits[leaf_path], ref.logits[0, rows])
             for index in (1, -1):
-                torch.testing.assert_close(out.hidden[index][leaf_path], ref.hidden_states[index][0, rows],
-                                           atol=atol, rtol=1e-4)
+                assert_close(out.hidden[index][leaf_path], ref.hidden_states[index][0, rows])
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -97,3 +107,18 @@ def test_tree_forward_sliding_window_past_the_window(arch, overrides):
 
 def test_tree_forward_fp64_is_exact():
     _tree_matches_paths(tiny_model("qwen3", dtype=torch.float64), atol=1e-12)
+
+
+# bf16: the tree forward and a per-path forward run different kernel shapes, so they agree to rounding only.
+# Stated tolerance: every logit and hidden state within 4 bf16 epsilons (4 * 2^-7 = 3.1%) of the largest
+# magnitude of its tensor; measured: at most ~1% (llama 0.026 on logits of max 3.2, stories260K 0.14 of 15.7).
+BF16_SCALE_TOL = 4 * torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tree_forward_equals_causal_forward_per_path_bf16(arch):
+    _tree_matches_paths(tiny_model(arch, dtype=torch.bfloat16), scale_tol=BF16_SCALE_TOL)
+
+
+def test_tree_forward_stories260k_bf16():
+    _tree_matches_paths(stories260k(dtype=torch.bfloat16), prefix_len=20, scale_tol=BF16_SCALE_TOL)
