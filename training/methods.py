@@ -20,7 +20,7 @@ from heads.base import HeadsModule, TargetModules, target_modules
 from heads.checkpoint import build_heads, load_heads
 from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
-from heads.medusa import MedusaHeads
+from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
 from heads.vocab import build_vocab_mapping, count_tokens, draft_to_target_ids
 from training.config import TrainConfig, eagle3_layers
@@ -122,8 +122,16 @@ class _FrozenTarget:
         self.modules: TargetModules = target_modules(target)
 
 
+def medusa_lm_head_rows(heads: MedusaHeads, target: nn.Module) -> Tensor | None:
+    """The frozen target LM head weight [V, H] shared heads project onto; None for heads with projections."""
+    return shared_lm_head_rows(target_modules(target).lm_head) if heads.config.medusa_shared_lm_head else None
+
+
 class MedusaTraining(nn.Module):
-    """Medusa-1: frozen target; heads on hs[-1]; CE per head on token t+2+h, weights head_decay**h."""
+    """Medusa-1: frozen target; heads on hs[-1]; CE per head on token t+2+h, weights head_decay**h.
+
+    With shared heads the logits go through the target's frozen LM head (held outside the module's parameters,
+    so the optimizer sees only the ResBlocks)."""
 
     def __init__(self, heads: MedusaHeads, target: nn.Module, config: TrainConfig) -> None:
         super().__init__()
@@ -132,13 +140,14 @@ class MedusaTraining(nn.Module):
         self.last_layer = target.config.get_text_config().num_hidden_layers
         self.feature_layers = [self.last_layer]
         self.decay, self.top_k = config.head_decay, config.eval_top_k
+        self._lm_head_rows = medusa_lm_head_rows(heads, target)
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         (hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
-        selected = hidden[targets.positions].to(self.heads.heads[0][-1].weight.dtype)  # [N, H]
-        logits = self.heads(selected[None])[:, 0]  # [K, N, V]
+        selected = hidden[targets.positions].to(self.heads.dtype)  # [N, H]
+        logits = self.heads.compute_logits(selected, self._lm_head_rows)  # [K, N, V]
         return depth_cross_entropy(list(logits), targets, self.decay, self.top_k)
 
 
@@ -151,6 +160,7 @@ class Medusa2Training(nn.Module):
         self.target = peft_target
         self.feature_layers: list[int] = []  # reads the adapted target's own forward
         self.config = config
+        self._lm_head_rows = medusa_lm_head_rows(heads, peft_target)  # frozen: LoRA does not adapt the LM head
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
@@ -158,9 +168,9 @@ class Medusa2Training(nn.Module):
         out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           output_hidden_states=True, use_cache=False)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
-        selected = out.hidden_states[-1][targets.positions].to(self.heads.heads[0][-1].weight.dtype)  # [N, H]
-        heads = depth_cross_entropy(list(self.heads(selected[None])[:, 0]), targets, config.head_decay,
-                                    config.eval_top_k)
+        selected = out.hidden_states[-1][targets.positions].to(self.heads.dtype)  # [N, H]
+        heads = depth_cross_entropy(list(self.heads.compute_logits(selected, self._lm_head_rows)), targets,
+                                    config.head_decay, config.eval_top_k)
         lm = lm_cross_entropy(out.logits, batch["input_ids"], batch["loss_mask"])
         total = config.heads_loss_weight * heads.loss + config.lm_loss_weight * lm
         extra = {"lm_loss": lm.detach()}
@@ -295,7 +305,8 @@ def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
     options: dict[str, Any] = {"base_model_revision": config.model_revision, "training_data": config.dataset}
     if config.method in ("medusa", "medusa2"):
         kind = "medusa"
-        options.update(medusa_num_heads=config.num_heads, medusa_num_layers=config.num_layers)
+        options.update(medusa_num_heads=config.num_heads, medusa_num_layers=config.num_layers,
+                       medusa_shared_lm_head=config.medusa_shared_lm_head)
     elif config.method == "eagle3":
         kind = "eagle3"
         options["draft_vocab_size"] = config.draft_vocab_size
@@ -319,7 +330,7 @@ def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Call
                   ) -> HeadsModule:
     """Fresh heads (seeded) or, with --init_heads, saved ones checked against the target.
 
-    Medusa projections start as copies of the target's LM head; EAGLE-3's draft vocabulary is the
+    Medusa projections (unless shared) start as copies of the target's LM head; EAGLE-3's draft vocabulary is the
     draft_vocab_size most frequent assistant tokens of the training split (`assistant_tokens()`).
     """
     if config.init_heads:
@@ -328,10 +339,14 @@ def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Call
         if heads.config.kind != expected:
             raise ValueError(f"--init_heads {config.init_heads}: holds {heads.config.kind!r} heads, "
                              f"--method {config.method} trains {expected!r}")
+        if expected == "medusa" and heads.config.medusa_shared_lm_head != config.medusa_shared_lm_head:
+            raise ValueError(f"--init_heads {config.init_heads}: medusa_shared_lm_head is "
+                             f"{heads.config.medusa_shared_lm_head} there, --medusa_shared_lm_head "
+                             f"{config.medusa_shared_lm_head} here")
         return heads.float().train()
     torch.manual_seed(config.seed)
     heads = build_heads(heads_config(config, target))
-    if isinstance(heads, MedusaHeads):
+    if isinstance(heads, MedusaHeads) and not heads.config.medusa_shared_lm_head:
         heads.init_from_lm_head(target_modules(target).lm_head.weight.detach().float())
     if isinstance(heads, Eagle3Draft):
         counts = count_tokens(assistant_tokens(), heads.config.vocab_size)
