@@ -44,7 +44,7 @@ from typing import Any
 
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
-from data.chat_format import ChatFormat, TokenizedConversation, chat_format, tokenize_conversation
+from data.chat_format import ChatFormat, TokenizedConversation, chat_format, highlight, tokenize_conversation
 from data.distill import MANIFEST, DistillConfig, merge_shards, shard_path, tokenizer_hash, write_shard
 from data.prompts import Conversation, read_numbered_conversations
 from data.runfiles import check_run_identity
@@ -350,6 +350,8 @@ def run(config: DistillConfig) -> dict[str, Any]:
     fmt = target_format(config, tokenizer)
     max_length = config.max_length or AutoConfig.from_pretrained(
         model_path(config.model)).get_text_config().max_position_embeddings
+    if config.dry_run:
+        return dry_run(tokenizer, fmt, sources, config, max_length)
     output_dir = Path(config.output_dir)
     identity = run_identity(config, sources, tokenizer, fmt, max_length)
     check_run_identity(output_dir, identity)
@@ -394,6 +396,24 @@ def run(config: DistillConfig) -> dict[str, Any]:
     })
     print_summary(output_dir, manifest)
     return manifest
+
+
+def dry_run(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, sources: list[Source], config: DistillConfig,
+            max_length: int) -> dict[str, Any]:
+    """Print the first usable conversation of each source tokenised, the learned tokens between ⟦ ⟧; write nothing."""
+    for source in sources:
+        selection = select([source], config.split, config.eval_fraction)
+        for example in selection.examples:
+            try:
+                tokenized, _, _ = fit_length(tokenizer, fmt, example, max_length)
+            except BadConversation as err:
+                print(f"{source.name} row {example.row} skipped: {err.reason}: {err}")
+                continue
+            print(f"--- {source.name} row {example.row}: {len(tokenized.input_ids)} tokens, "
+                  f"{sum(tokenized.loss_mask)} learned (between \u27e6 \u27e7) ---")
+            print(highlight(tokenizer, tokenized.input_ids, tokenized.loss_mask))
+            break
+    return {"dry_run": True}
 
 
 def print_summary(output_dir: Path, manifest: dict[str, Any]) -> None:
