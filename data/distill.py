@@ -23,6 +23,9 @@ Columns: input_ids (list[int]), loss_mask (list[int], 1 on assistant tokens incl
 truncated_turns (list[int], assistant turns cut by --max_new_tokens), generated_tokens (int).
 Sampling is seeded per shard (`--seed` + shard number), so a resumed or multi-process run equals a
 one-process uninterrupted run (exactly for greedy decoding).
+
+`--mode teacher_forced` writes the same columns and manifest from the conversations' own answers, without
+loading the model (`data/teacher_forced.py`: `--sources NAME=PATH[:CAP] ...`, deduplication, `--eval_fraction`).
 """
 
 from __future__ import annotations
