@@ -18,6 +18,17 @@ equal `model.generate(do_sample=False)` token for token; null when sampling). Ti
 possibly shared machine: compare ratios measured in the same run, not absolute numbers across runs
 (`--repeats R` runs every runner R times per prompt, interleaved, and keeps the fastest run of each).
 `--config bench.yaml` gives defaults (keys = flag names), flags override it.
+
+Efficiency (JSON `overall`, printed): every step of our loop is split into draft time (the proposer), verify time
+(the target forward, tree mask included) and overhead (everything else: checks, acceptance, KV compaction,
+bookkeeping); `draft_share` / `verify_share` / `overhead_share` / `prefill_share` are shares of the calls' wall
+time. `predicted_speedup` is the cost model's tau x (plain step) / (verify + draft per step) from the measured
+numbers, `realised_over_predicted` the measured speed-up over it. `--oracle_sizes 1,2,4,8,16` adds the ceiling
+table: a drafter that drafts plain decoding's own continuation (every token accepted) per chain length.
+`verify_cost` is the verify cost curve measured from the run's own steps. `--plot out.png` draws speed-ups,
+acceptance per depth and that curve; `--answers_jsonl` writes Spec-Bench answer files (method and
+`-plain` baseline) for its evaluation/speed.py; `--turns 2` also runs second turns (MT-Bench), with plain
+decoding's first answer in context.
 """
 
 from __future__ import annotations
@@ -588,6 +599,35 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     records, method_runs, plain_runs = [], [], []
     oracle_runs: dict[int, list[Run]] = {k: [] for k in oracle_sizes}
     transcripts: list[tuple[Question, list[dict[str, Run]]]] = []  # per question, the runs of each turn
+
+    def results() -> dict[str, Any]:
+        """The JSON-ready result over the questions done so far (answers files written too)."""
+        config_record = {**dataclasses.asdict(gen_args), **dataclasses.asdict(bench_args), "method": method}
+        config_record.pop("prompt")
+        all_stats = [run.stats for run in plain_runs + method_runs + [r for runs in oracle_runs.values() for r in runs]]
+        result = {
+            "config": config_record,
+            "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "python": platform.python_version(), "num_threads": torch.get_num_threads(),
+                            "device": str(target.device), "machine": platform.machine(),
+                            "dtype": dtype},
+            "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
+                                      dtype),
+            "verify_cost": verify_cost_from_steps(all_stats),
+            "prompts": records,
+        }
+        if oracle_sizes:
+            result["oracle"] = {"model": gen_args.model, "dtype": dtype, "device": str(target.device),
+                                "num_threads": torch.get_num_threads(), "rows": oracle_rows(oracle_runs, plain_runs)}
+        if bench_args.answers_jsonl:
+            model_id = f"{Path(gen_args.model).name}-{method}-{dtype}"
+            decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+            write_jsonl_atomic(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
+            write_jsonl_atomic(plain_answers_path(bench_args.answers_jsonl),
+                               spec_bench_answers(transcripts, "plain", f"{Path(gen_args.model).name}-plain-{dtype}",
+                                                  decode))
+        return result
+
     for i, question in enumerate(questions):
         history: list[dict[str, str]] = []
         turn_runs: list[dict[str, Run]] = []
@@ -614,31 +654,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
                   f"{record['tau']:.2f}, speed-up {_fmt(record['speedup'], '.2f')}, identical "
                   f"{record['greedy_identical']}", file=sys.stderr)
         transcripts.append((question, turn_runs))
-    config_record = {**dataclasses.asdict(gen_args), **dataclasses.asdict(bench_args), "method": method}
-    config_record.pop("prompt")
-    all_stats = [run.stats for run in plain_runs + method_runs + [r for runs in oracle_runs.values() for r in runs]]
-    result = {
-        "config": config_record,
-        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version(), "num_threads": torch.get_num_threads(),
-                        "device": str(target.device), "machine": platform.machine(),
-                        "dtype": dtype},
-        "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
-                                  dtype),
-        "verify_cost": verify_cost_from_steps(all_stats),
-        "prompts": records,
-    }
-    if oracle_sizes:
-        result["oracle"] = {"model": gen_args.model, "dtype": dtype, "device": str(target.device),
-                            "num_threads": torch.get_num_threads(), "rows": oracle_rows(oracle_runs, plain_runs)}
-    if bench_args.answers_jsonl:
-        model_id = f"{Path(gen_args.model).name}-{method}-{dtype}"
-        decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
-        write_jsonl_atomic(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
-        write_jsonl_atomic(plain_answers_path(bench_args.answers_jsonl),
-                           spec_bench_answers(transcripts, "plain", f"{Path(gen_args.model).name}-plain-{dtype}",
-                                              decode))
-    return result
+        write_json_atomic(bench_args.output_json, results())  # partial results survive an interrupted run
+    return results()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
