@@ -58,6 +58,7 @@ from runtime.generate import GenerationStats, build_proposer, encode_prompt, gen
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
+from runtime.verify_check import prepare_target
 
 
 @dataclass
@@ -568,7 +569,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
                        device=gen_args.device)
     print(gen_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and the method share this model
     dtype = str(model.dtype).removeprefix("torch.")
-    target = TargetModel(model)
+    target = prepare_target(model)
     proposer = build_proposer(gen_args, target, tokenizer)
     plain = Autoregressive()
     assisted = hf_assisted_settings(gen_args, proposer) if bench_args.compare_hf else None

@@ -38,7 +38,7 @@ from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import encode_prompt
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
-from runtime.target import TargetModel
+from runtime.verify_check import prepare_target
 
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
              "repeats", "methods", "dtype", "exact"}
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = load_model(model_name, dtype=dtype_args.model_dtype())
     print(dtype_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and every drafter share it
     dtype_name = str(model.dtype).removeprefix("torch.")
-    target = TargetModel(model)
+    target = prepare_target(model)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]

@@ -136,7 +136,8 @@ def target_verify_forward(target: TargetModel, kv_length: int, hidden_state_indi
 
     def run(q: int) -> None:
         if q not in trees:
-            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), _measurement_tree(q))
+            tree = _measurement_tree(q) if target.mode == "tree" else Tree.chain(q - 1)  # chain-mode targets
+            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), tree)
         tokens, tree = trees[q]
         target.forward(tokens, tree, hidden_state_indices=hidden_state_indices)
         target.commit([])

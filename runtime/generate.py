@@ -23,6 +23,7 @@ from runtime.config import DecodeConfig, GenerateArguments, SpeculationLength
 from runtime.proposers.base import Draft, Proposer
 from runtime.sampling import SamplingConfig, logits_to_probs, sample_token
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
+from runtime.verify_check import prepare_target
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,9 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
     method = args.resolved_method()
     if method == "autoregressive":
         return Autoregressive()
+    if target.mode == "plain":  # the load-time verify check allows no drafts for this model
+        print(f"[verify] --method {method}: speculation off, the target runs plain decoding only", file=sys.stderr)
+        return Autoregressive()
     if method == "prompt_lookup":
         return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
@@ -212,8 +216,10 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
     check_same_vocabulary(tokenizer, draft_tokenizer)
     draft = load_model(args.draft_model, dtype=target.dtype, attn_implementation=args.attn_implementation,
                        device=args.device)
+    draft_mode = prepare_target(draft, flag="--draft_model").mode  # the draft model gets the same self-check
     return DraftModelProposer(draft, target_vocab_size=target.vocab_size, sampling=args.decode_config().sampling,
-                              branching=args.branching(), seed=args.seed)
+                              branching=args.branching() if target.mode == draft_mode == "tree" else (),
+                              seed=args.seed, mode=draft_mode)
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> GenerationStats:
     config = args.decode_config()
     args.resolved_method()
     tokenizer = load_tokenizer(args.model)
-    target = TargetModel(load_model(args.model, dtype=args.model_dtype(), attn_implementation=args.attn_implementation,
+    target = prepare_target(load_model(args.model, dtype=args.model_dtype(), attn_implementation=args.attn_implementation,
                                     device=args.device))
     print(args.dtype_line(target.dtype), file=sys.stderr)
     proposer = build_proposer(args, target, tokenizer)

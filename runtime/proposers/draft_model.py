@@ -46,8 +46,14 @@ class DraftModelProposer:
     hidden_state_indices: tuple[int, ...] = ()
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, sampling: SamplingConfig | None = None,
-                 branching: tuple[int, ...] = (), seed: int | None = None):
-        self.draft = TargetModel(model, flag="--draft_model")
+                 branching: tuple[int, ...] = (), seed: int | None = None, mode: str = "tree"):
+        """mode: the draft model's verify mode (runtime/verify_check.py): "tree" or "chain" (chain drafts only)."""
+        if mode not in ("tree", "chain"):
+            raise ValueError(f"--draft_model: its self-check allows {mode!r} decoding only; drafting needs tree or "
+                             f"chain forwards with rollback")
+        if mode != "tree" and branching:
+            raise ValueError(f"--draft_tree_branching {branching}: the draft model verifies chains only")
+        self.draft = TargetModel(model, flag="--draft_model", mode=mode)
         if self.draft.vocab_size != target_vocab_size:
             raise ValueError(f"--draft_model: vocabulary of {self.draft.vocab_size} logits but the target has "
                              f"{target_vocab_size}; the draft model must share the target's vocabulary")

@@ -22,7 +22,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -132,6 +132,11 @@ def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:
     return table
 
 
+def _chain_table(table: list[list[float]] | None, target: TargetModel) -> list[list[float]] | None:
+    """Top-1 column only when the target verifies chains (a tree grown from it is a chain)."""
+    return table if table is None or target.mode == "tree" else [row[:1] for row in table]
+
+
 def _default_table(num_heads: int) -> list[list[float]]:
     table = yaml.safe_load(DEFAULT_TREE_TABLE.read_text())["accuracy"]
     return [table[min(h, len(table) - 1)] for h in range(num_heads)]
@@ -216,6 +221,11 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
     proposer is `Autoregressive` (speculation off, size 0), and the description says so.
     """
     options = options or HeadsOptions()
+    if target.mode == "plain":  # the load-time verify check allows no drafts for this target
+        return HeadsProposer(Autoregressive(), _load(heads, target, target_name, revision).config, 0, None,
+                             "speculation off: the target runs plain decoding only (verify check)")
+    if target.mode == "chain":  # no tree attention for this target: EAGLE drafts chains, Medusa a top-1 chain
+        options = replace(options, eagle_tree="static", tree="")
     built = _build(heads, target, options, sampling, seed, target_name, revision)
     choice = built.size_choice
     if choice is None or not options.allow_off:
@@ -236,7 +246,7 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
     module = _load(heads, target, target_name, revision)
     config = module.config
     fixed = options.fixed_size
-    table = accuracy_table(config)
+    table = _chain_table(accuracy_table(config), target)
     notes: list[str] = []
     sizes = list(range(1, options.max_tree_size + 1))
 
@@ -259,7 +269,7 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
             return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa tree {options.tree}")
         grown_from = table[: module.num_heads] if table is not None else None
         if grown_from is None:
-            grown_from = _default_table(module.num_heads)
+            grown_from = _chain_table(_default_table(module.num_heads), target)
             notes.append(f"no measured accuracy in the heads: tree grown from the illustrative table of "
                          f"{DEFAULT_TREE_TABLE.name}")
 

@@ -455,7 +455,7 @@ def test_sampling_through_the_loop(name):
 
 
 @pytest.mark.parametrize("name", PROPOSERS)
-@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gpt2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gpt2", "gemma3_text", "deepseek_v3"])
 def test_greedy_identical_other_architectures(arch, name):
     """Untied models get drafting (oracle) heads, tied ones (gemma, gpt2) random heads."""
     tied = arch in ("gemma2", "gpt2", "gemma3_text")
