@@ -118,11 +118,18 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
         config = HeadsConfig.for_target("medusa", target_config, base_model_name_or_path, medusa_num_heads=heads_n,
                                         medusa_num_layers=layers_n, **common)
         module_tensors = {}
+        # original_lm_head: one projection (lm_heads.0) read by every head; each head gets its own copy here
+        shared = source_config.get("original_lm_head", False)
+        projections = [tensors.get(f"lm_heads.{0 if shared else h}.weight") for h in range(heads_n)]
+        if any(p is None for p in projections):
+            raise ValueError(f"--source {source}: vLLM Medusa layout without lm_heads.{{h}}.weight for every head "
+                             "(or lm_heads.0.weight with original_lm_head)")
         for h in range(heads_n):
             for layer in range(layers_n):
                 module_tensors[f"heads.{h}.{layer}.linear.weight"] = tensors.pop(f"blocks.{h}.layers.{layer}.weight")
                 module_tensors[f"heads.{h}.{layer}.linear.bias"] = tensors.pop(f"blocks.{h}.layers.{layer}.bias")
-            module_tensors[f"heads.{h}.{layers_n}.weight"] = tensors.pop(f"lm_heads.{h}.weight")
+            tensors.pop(f"lm_heads.{h}.weight", None)
+            module_tensors[f"heads.{h}.{layers_n}.weight"] = projections[h]
         module_tensors.update(tensors)  # leftovers (e.g. token_map) are reported by check_state
     elif layout == "eagle3":
         vocab = int(target_config.vocab_size)

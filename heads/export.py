@@ -8,8 +8,10 @@
 | eagle  | -                     | native names, fc without bias          | LlamaForCausalLMEagle, fc.bias   | native     |
 | eagle3 | -                     | native                                 | native                           | native     |
 
-Medusa heads that share the target's LM head have no projection of their own; engines need one per head,
-so `--target` (the base model) is required and its LM head weight is copied into each head.
+Medusa heads that share the target's LM head have no projection of their own. TGI loads them as they are with
+one residual block per head (its MedusaHeadV2 applies the target's LM head); for TGI with more blocks (a copy
+per head) and for vLLM (`original_lm_head: true`, one copy) `--target` (the base model) is required and its LM
+head weight is written into the export.
 heads/FORMATS.md lists what each engine's loader requires.
 """
 
@@ -47,7 +49,7 @@ class ExportFlags:
     to: str = field(default="vllm", metadata={"help": f"Target layout: one of {ENGINES}."})
     output_dir: str = field(default="", metadata={"help": "Where to write the exported directory."})
     target: str = field(default="", metadata={"help": "Base model (Hub id / dir / GGUF); needed for Medusa heads "
-                                                      "that share the target LM head."})
+                                                      "that share the target LM head (vLLM; TGI with > 1 block)."})
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,30 @@ class Exported:
     config: dict
 
 
-def _medusa_with_projections(heads, lm_head_weight: Tensor | None) -> tuple[dict[str, Tensor], HeadsConfig]:
-    """FasterDecoding tensors with a projection per head (copying the target LM head for shared heads)."""
+def _medusa_tensors(heads, to: str, lm_head_weight: Tensor | None) -> tuple[dict[str, Tensor], HeadsConfig]:
+    """FasterDecoding tensor names and the config to describe them, for engine `to`.
+
+    Heads with projections: as saved. Shared-LM-head heads (no `{h}.{L}.weight`): TGI loads them as they are when
+    medusa_num_layers == 1 (MedusaHeadV1 fails on the missing projection, the MedusaHeadV2 fallback reads only
+    `{h}.0.linear.*` and applies the target's own LM head); for TGI with more blocks, each head gets a copy of the
+    target's LM head weight (`--target`); vLLM gets one copy, see `plan_export`.
+    """
     config = heads.config
     tensors = module_to_file_names("medusa", heads.state_dict())
-    if config.medusa_shared_lm_head:
-        if lm_head_weight is None:
-            raise ValueError("--target: these Medusa heads share the target's LM head; engines need a projection "
-                             "per head, so pass --target <base model> to copy its LM head weight")
-        dtype = next(iter(tensors.values())).dtype
-        for h in range(config.medusa_num_heads):
-            tensors[f"{h}.{config.medusa_num_layers}.weight"] = lm_head_weight.detach().to(dtype).clone()
-        config = replace(config, medusa_shared_lm_head=False, metrics=dict(config.metrics))
-    return tensors, config
+    if not config.medusa_shared_lm_head or (to == "tgi" and config.medusa_num_layers == 1):
+        return tensors, config
+    copies = config.medusa_num_heads if to == "tgi" else 1
+    if lm_head_weight is None:
+        why = (f"TGI loads shared-LM-head Medusa (its MedusaHeadV2) only with medusa_num_layers 1, these heads "
+               f"have {config.medusa_num_layers}" if to == "tgi" else
+               "vLLM's Medusa loader does not read the target's LM head (with original_lm_head it loads one copy "
+               "from lm_heads.0.weight)")
+        raise ValueError(f"--target: these Medusa heads share the target's LM head and {why}; pass --target "
+                         "<base model> to copy its LM head weight into the export")
+    dtype = next(iter(tensors.values())).dtype
+    for h in range(copies):
+        tensors[f"{h}.{config.medusa_num_layers}.weight"] = lm_head_weight.detach().to(dtype).clone()
+    return tensors, replace(config, medusa_shared_lm_head=copies == 1, metrics=dict(config.metrics))
 
 
 def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exported:
@@ -84,7 +97,7 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exporte
                          f"{SUPPORTED[config.kind] or 'none (our runtime only)'}")
     native = {"specheads": config.to_dict()}
     if config.kind == "medusa":
-        tensors, config = _medusa_with_projections(heads, lm_head_weight)
+        tensors, config = _medusa_tensors(heads, to, lm_head_weight)
         if to == "tgi":
             return Exported(tensors, weights_file("medusa"),
                             {**engine_config(config), "specheads": config.to_dict()})
@@ -94,12 +107,16 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exporte
             for l in range(layers):  # noqa: E741
                 renamed[f"blocks.{h}.layers.{l}.weight"] = tensors[f"{h}.{l}.linear.weight"]
                 renamed[f"blocks.{h}.layers.{l}.bias"] = tensors[f"{h}.{l}.linear.bias"]
-            renamed[f"lm_heads.{h}.weight"] = tensors[f"{h}.{layers}.weight"]
+            if not config.medusa_shared_lm_head:
+                renamed[f"lm_heads.{h}.weight"] = tensors[f"{h}.{layers}.weight"]
         vllm_config = {"model_type": "medusa", "architectures": ["MedusaModel"],
                        "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                        "num_heads": config.medusa_num_heads, "num_hidden_layers": layers,
                        "truncated_vocab_size": config.vocab_size, "medusa_fc_bias": True,
                        "base_model_name_or_path": config.base_model_name_or_path}
+        if config.medusa_shared_lm_head:  # every head reads the one copy of the target's LM head
+            renamed["lm_heads.0.weight"] = tensors[f"0.{layers}.weight"]
+            vllm_config["original_lm_head"] = True
         return Exported(renamed, "model.safetensors", vllm_config)
     tensors = module_to_file_names(config.kind, heads.state_dict())
     if config.kind == "eagle3":

@@ -47,8 +47,11 @@ def _one_float_dtype(tensors, problems):
 
 def check_tgi_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
     """TGI: config.json medusa_num_heads / medusa_num_layers / base_model_name_or_path and no architectures key;
-    medusa_lm_head.safetensors
-    with {h}.{l}.linear.weight [H,H] + .bias [H] (ResBlock loads bias=True) and {h}.{L}.weight [V,H] (no bias)."""
+    medusa_lm_head.safetensors with {h}.{l}.linear.weight [H,H] + .bias [H] (ResBlock loads bias=True) and
+    {h}.{L}.weight [V,H] (no bias): MedusaHeadV1. SpeculativeHead.load falls back to MedusaHeadV2 when V1 fails (a
+    missing projection): V2 asserts medusa_num_layers == 1, reads {h}.0.linear.* and applies the target's lm_head,
+    so a directory without any {h}.1.weight is the shared-LM-head Medusa; some but not all projections would be
+    silently ignored by V2."""
     config, tensors, problems = _read(directory, "medusa_lm_head.safetensors")
     for key in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"):
         if key not in config:
@@ -58,14 +61,24 @@ def check_tgi_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
     if problems:
         return problems
     heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+    projections = [f"{h}.{layers}.weight" for h in range(heads)]
+    present = [name for name in projections if name in tensors]
+    v2 = not present  # MedusaHeadV1 fails on the first missing projection
+    if v2 and layers != 1:
+        problems.append(f"no {{h}}.{layers}.weight projections and medusa_num_layers {layers}: MedusaHeadV2 (the "
+                        "target's LM head) asserts medusa_num_layers == 1")
+    if present and len(present) < heads:
+        problems.append(f"projections {sorted(set(projections) - set(present))[:3]} missing: V1 fails and V2 would "
+                        f"ignore the {len(present)} present")
     expected = set()
     for h in range(heads):
         for layer in range(layers):
             _expect(tensors, f"{h}.{layer}.linear.weight", (hidden, hidden), problems)
             _expect(tensors, f"{h}.{layer}.linear.bias", (hidden,), problems)
             expected |= {f"{h}.{layer}.linear.weight", f"{h}.{layer}.linear.bias"}
-        _expect(tensors, f"{h}.{layers}.weight", (vocab, hidden), problems)
-        expected.add(f"{h}.{layers}.weight")
+        if not v2:
+            _expect(tensors, f"{h}.{layers}.weight", (vocab, hidden), problems)
+            expected.add(f"{h}.{layers}.weight")
     extra = sorted(set(tensors) - expected)
     if extra:
         problems.append(f"unexpected tensors {extra[:5]}")
@@ -76,7 +89,8 @@ def check_tgi_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
 def check_vllm_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
     """vLLM medusa.py: MedusaConfig (model_type medusa; num_heads / num_hidden_layers, or keys holding "num" and
     "heads"/"layers"; hidden_size; vocab_size; truncated_vocab_size), weights blocks.{h}.layers.{l}.weight [H,H]
-    (+ .bias iff medusa_fc_bias) and lm_heads.{h}.weight [V,H]. Unknown names are dropped silently by vLLM, so a
+    (+ .bias iff medusa_fc_bias) and lm_heads.{h}.weight [V,H] (with original_lm_head: only lm_heads.0.weight, one
+    LM head every head reads). Unknown names are dropped silently by vLLM, so a
     tensor it would drop is a problem here."""
     config, tensors, problems = _read(directory, "model.safetensors")
     if config.get("model_type") != "medusa":
@@ -95,6 +109,7 @@ def check_vllm_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
         problems.append("config.json lacks num_heads")
         return problems
     bias = bool(config.get("medusa_fc_bias", False))
+    original_lm_head = bool(config.get("original_lm_head", False))
     expected = set()
     for h in range(config["num_heads"]):
         for layer in range(config.get("num_hidden_layers", 1)):
@@ -103,8 +118,9 @@ def check_vllm_medusa(directory: Path, hidden: int, vocab: int) -> list[str]:
             if bias:
                 _expect(tensors, f"blocks.{h}.layers.{layer}.bias", (hidden,), problems)
                 expected.add(f"blocks.{h}.layers.{layer}.bias")
-        _expect(tensors, f"lm_heads.{h}.weight", (vocab, hidden), problems)
-        expected.add(f"lm_heads.{h}.weight")
+        if h == 0 or not original_lm_head:  # original_lm_head: every head reads lm_heads.0 (as lm_head)
+            _expect(tensors, f"lm_heads.{h}.weight", (vocab, hidden), problems)
+            expected.add(f"lm_heads.{h}.weight")
     extra = sorted(set(tensors) - expected)
     if extra:
         problems.append(f"tensors vLLM would drop: {extra[:5]}")

@@ -35,14 +35,14 @@ def saved(target, tmp_path_factory):
 
 
 def _check(engine, kind, path):
-    if kind == "medusa":
+    if kind.startswith("medusa"):
         return check_tgi_medusa(path, H, V) if engine == "tgi" else check_vllm_medusa(path, H, V)
     if kind == "eagle3":
         return check_eagle3(path, H, V, L, engine)
     return check_eagle(path, H, V, engine)
 
 
-CASES = [("medusa", "tgi"), ("medusa", "vllm"), ("eagle", "eagle"), ("eagle", "sglang"),
+CASES = [("medusa", "tgi"), ("medusa", "vllm"), ("medusa_shared", "tgi"), ("eagle", "eagle"), ("eagle", "sglang"),
          ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "eagle")]
 
 
@@ -92,6 +92,10 @@ PLANTED = {
                                       "medusa_num_layers"),
     "medusa tgi architectures key": ("medusa", "tgi", None, lambda c: c.update(architectures=["MedusaModel"]),
                                      "architectures"),
+    "medusa tgi shared with 2 blocks": ("medusa_shared", "tgi", None, lambda c: c.update(medusa_num_layers=2),
+                                        "asserts medusa_num_layers == 1"),
+    "medusa tgi some projections": ("medusa_shared", "tgi", lambda t: t.update({"0.1.weight": torch.zeros(V, H)}),
+                                    None, "V2 would ignore"),
     "eagle vllm bias present": ("eagle", "vllm", lambda t: t.update({"fc.bias": torch.zeros(H)}), None, "fc.bias"),
     "eagle sglang bias missing": ("eagle", "sglang", lambda t: t.pop("fc.bias"), None, "missing tensor fc.bias"),
     "eagle input norm present": ("eagle", "eagle",
@@ -116,7 +120,7 @@ def test_checkers_fail_on_planted_mistakes(saved, tmp_path, name):
         src = saved[kind]
     out = export_heads(src, engine, tmp_path / "out")
     assert _check(engine, kind, out) == []
-    weights = "medusa_lm_head.safetensors" if (kind, engine) == ("medusa", "tgi") else "model.safetensors"
+    weights = "medusa_lm_head.safetensors" if kind.startswith("medusa") and engine == "tgi" else "model.safetensors"
     _plant(out, edit_tensors, edit_config, weights)
     problems = _check(engine, kind, out)
     assert problems, f"checker accepted planted mistake {name!r}"
@@ -131,30 +135,56 @@ def test_unsupported_exports_are_refused(saved, tmp_path):
         export_heads(saved["medusa"], "sglang", tmp_path / "b")
     with pytest.raises(ValueError, match="--to: expected one of"):
         export_heads(saved["eagle3"], "trt", tmp_path / "c")
-    with pytest.raises(ValueError, match="--target"):
-        export_heads(saved["medusa_shared"], "tgi", tmp_path / "d")
+    with pytest.raises(ValueError, match="--target: .*vLLM's Medusa loader does not read the target's LM head"):
+        export_heads(saved["medusa_shared"], "vllm", tmp_path / "d")
     heads = load_heads(saved["eagle"])  # fc.bias non-zero
     with pytest.raises(ValueError, match="vLLM's EAGLE-1/2 loader builds fc without a bias"):
         plan_export(heads, "vllm")
 
 
-def test_shared_lm_head_medusa_export_copies_target_head(tmp_path):
+def test_shared_lm_head_medusa_exports(tmp_path):
+    """TGI loads shared-LM-head heads with one block as they are (MedusaHeadV2); vLLM gets one copy of the target's
+    LM head (original_lm_head), TGI with two blocks a copy per head; every layout reads back to the same logits."""
     from heads.loading import load_model
     model = load_model(str(STORIES260K))
-    config = HeadsConfig.for_target("medusa", model.config, str(STORIES260K), medusa_num_heads=2,
-                                    medusa_shared_lm_head=True)
-    heads = build_heads(config)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.1)
-    heads.save_pretrained(tmp_path / "h")
-    export_main(["--heads", str(tmp_path / "h"), "--to", "tgi", "--output_dir", str(tmp_path / "tgi"),
-                 "--target", str(STORIES260K)])
-    assert check_tgi_medusa(tmp_path / "tgi", 64, 512) == []
-    exported = load_heads(tmp_path / "tgi", target=model)  # our loader reads the TGI layout back
     hidden = torch.randn(1, 3, 64)
+
+    def shared_heads(layers):
+        config = HeadsConfig.for_target("medusa", model.config, str(STORIES260K), medusa_num_heads=2,
+                                        medusa_num_layers=layers, medusa_shared_lm_head=True)
+        heads = build_heads(config)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.normal_(0, 0.1)
+        heads.save_pretrained(tmp_path / f"h{layers}")
+        with torch.no_grad():
+            return heads(hidden, lm_head=model.lm_head)
+
+    expected = shared_heads(1)
+    export_main(["--heads", str(tmp_path / "h1"), "--to", "tgi", "--output_dir", str(tmp_path / "tgi")])
+    assert check_tgi_medusa(tmp_path / "tgi", 64, 512) == []
+    assert sorted(load_file(str(tmp_path / "tgi" / "medusa_lm_head.safetensors"))) == [
+        "0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
+    exported = load_heads(tmp_path / "tgi", target=model)  # our loader reads the TGI layout back
     with torch.no_grad():
-        torch.testing.assert_close(exported(hidden), heads(hidden, lm_head=model.lm_head))
+        torch.testing.assert_close(exported(hidden, lm_head=model.lm_head), expected, rtol=0, atol=0)
+
+    export_main(["--heads", str(tmp_path / "h1"), "--to", "vllm", "--output_dir", str(tmp_path / "vllm"),
+                 "--target", str(STORIES260K)])
+    assert check_vllm_medusa(tmp_path / "vllm", 64, 512) == []
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["original_lm_head"] is True
+    imported = import_checkpoint(tmp_path / "vllm", model.config, str(STORIES260K))  # a projection per head
+    with torch.no_grad():
+        torch.testing.assert_close(imported(hidden), expected)  # per-head matmuls: rounding only
+
+    expected = shared_heads(2)
+    with pytest.raises(ValueError, match="TGI loads shared-LM-head Medusa .* only with medusa_num_layers 1"):
+        export_heads(tmp_path / "h2", "tgi", tmp_path / "refused")
+    export_main(["--heads", str(tmp_path / "h2"), "--to", "tgi", "--output_dir", str(tmp_path / "tgi2"),
+                 "--target", str(STORIES260K)])
+    assert check_tgi_medusa(tmp_path / "tgi2", 64, 512) == []
+    with torch.no_grad():
+        torch.testing.assert_close(load_heads(tmp_path / "tgi2", target=model)(hidden), expected)
 
 
 @pytest.mark.parametrize("kind, engine", [("medusa", "vllm"), ("medusa", "tgi"), ("eagle", "sglang"),
