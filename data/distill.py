@@ -106,6 +106,8 @@ class DistillConfig:
             raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.sources and self.mode != "teacher_forced":
             raise ValueError("--sources is read by --mode teacher_forced only; use --prompts to generate")
+        if self.sources and (self.prompts or self.max_prompts):
+            raise ValueError("--sources replaces --prompts and --max_prompts (cap a source with NAME=PATH:CAP)")
         for name in ("model",) if self.sources else ("model", "prompts"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")

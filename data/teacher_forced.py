@@ -320,20 +320,25 @@ def shard_metas(output_dir: Path, num_shards: int) -> list[dict[str, Any]]:
     return [json.loads((shard_path(output_dir, s) / "meta.json").read_text()) for s in range(num_shards)]
 
 
-def source_summary(sources: list[Source], selection: Selection, metas: list[dict[str, Any]]) -> list[dict]:
-    """Per source: rows read, bad rows by reason, duplicates, conversations / tokens / assistant tokens written."""
+def source_summary(sources: list[Source], selection: Selection, metas: list[dict[str, Any]],
+                   eval_metas: list[dict[str, Any]]) -> list[dict]:
+    """Per source: rows read, bad rows by reason, duplicates, conversations / tokens / assistant tokens written
+    (both splits; `held_out_conversations` of them in OUT/eval)."""
     summary = []
+    metas = metas + eval_metas
     for source in sources:
         written = Counter()
         for meta in metas:
             written.update(meta["per_source"].get(source.name, {}))
+        held_out = sum(meta["per_source"].get(source.name, {}).get("conversations", 0) for meta in eval_metas)
         reasons = Counter(row["reason"] for row in selection.skipped if row["source"] == source.name)
         reasons.update(row["reason"] for meta in metas for row in meta["skipped_conversations"]
                        if row["source"] == source.name)
         summary.append({"name": source.name, "path": source.path, "cap": source.cap,
                         "rows_read": selection.read[source.name], "duplicates_removed": selection.duplicates[source.name],
                         "skipped_by_reason": dict(reasons), "index_range": list(selection.index_ranges[source.name]),
-                        "conversations": written["conversations"], "tokens": written["tokens"],
+                        "conversations": written["conversations"], "held_out_conversations": held_out,
+                        "tokens": written["tokens"],
                         "assistant_tokens": written["assistant_tokens"],
                         "cut_conversations": written["cut_conversations"], "dropped_turns": written["dropped_turns"]})
     return summary
@@ -368,8 +373,9 @@ def run(config: DistillConfig) -> dict[str, Any]:
     train_shards = write_split(output_dir, train, tokenizer, fmt, config, max_length, progress)
     eval_shards = write_split(eval_dir, held_out, tokenizer, fmt, config, max_length, progress) if held_out else 0
     progress.close()
-    metas = shard_metas(output_dir, train_shards) + shard_metas(eval_dir, eval_shards)
-    summary = source_summary(sources, selection, metas)
+    train_metas, eval_metas = shard_metas(output_dir, train_shards), shard_metas(eval_dir, eval_shards)
+    metas = train_metas + eval_metas
+    summary = source_summary(sources, selection, train_metas, eval_metas)
     empty = [s["name"] for s in summary if s["conversations"] == 0]
     if empty:
         raise ValueError(f"--sources {empty}: every conversation was skipped ({[s['skipped_by_reason'] for s in summary if s['name'] in empty]}); "
@@ -419,7 +425,8 @@ def dry_run(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, sources: list[S
 def print_summary(output_dir: Path, manifest: dict[str, Any]) -> None:
     """One line per source and the totals."""
     for source in manifest["sources"]:
-        print(f"{source['name']:>12}: {source['conversations']} conversations, {source['tokens']} tokens, "
+        print(f"{source['name']:>12}: {source['conversations']} conversations ({source['held_out_conversations']} "
+              f"held out), {source['tokens']} tokens, "
               f"{source['assistant_tokens']} assistant tokens; {source['duplicates_removed']} duplicates, "
               f"skipped {source['skipped_by_reason'] or 0}, {source['cut_conversations']} cut at --max_length")
     tokens = manifest["tokens"]

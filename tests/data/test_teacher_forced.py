@@ -85,6 +85,7 @@ def test_duplicates_removed_and_held_out_split_disjoint(tmp_path):
     assert manifest["duplicates_removed"] == 10
     assert {s["name"]: s["duplicates_removed"] for s in manifest["sources"]} == {"a": 0, "b": 10}
     assert len(train) + len(held) == 50 and len(held) == manifest["eval"]["conversations"] > 0
+    assert sum(s["held_out_conversations"] for s in manifest["sources"]) == len(held)
     assert set(train["index"]).isdisjoint(held["index"])
 
     def first_prompts(rows):
@@ -165,3 +166,5 @@ def test_flags_from_the_command_line(tmp_path):
     assert manifest["conversations_written"] == 1
     with pytest.raises(ValueError, match="--sources is read by --mode teacher_forced only"):
         DistillConfig(model=str(SMOLLM2), sources=[source], output_dir=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="--sources replaces --prompts"):
+        DistillConfig(mode="teacher_forced", model=str(SMOLLM2), sources=[source], prompts=source, output_dir="x")
