@@ -369,28 +369,29 @@ def run(config: DistillConfig) -> dict[str, Any]:
     train = [item for item, held in zip(indexed, selection.held_out, strict=True) if not held]
     held_out = [item for item, held in zip(indexed, selection.held_out, strict=True) if held]
     eval_dir = output_dir / EVAL_DIR
+    held = json.loads((eval_dir / MANIFEST).read_text()) if (eval_dir / MANIFEST).is_file() else None
     progress = tqdm(total=len(indexed), unit="conv", desc="teacher_forced", file=sys.stderr)
     train_shards = write_split(output_dir, train, tokenizer, fmt, config, max_length, progress)
-    eval_shards = write_split(eval_dir, held_out, tokenizer, fmt, config, max_length, progress) if held_out else 0
+    eval_shards = write_split(eval_dir, held_out, tokenizer, fmt, config, max_length, progress) if held is None else 0
     progress.close()
-    train_metas, eval_metas = shard_metas(output_dir, train_shards), shard_metas(eval_dir, eval_shards)
-    metas = train_metas + eval_metas
+    train_metas = shard_metas(output_dir, train_shards)
+    eval_metas = held["shard_metas"] if held else shard_metas(eval_dir, eval_shards)  # merged shards are gone
     summary = source_summary(sources, selection, train_metas, eval_metas)
-    empty = [s["name"] for s in summary if s["conversations"] == 0]
+    empty = {s["name"]: s["skipped_by_reason"] for s in summary if s["conversations"] == 0}
     if empty:
-        raise ValueError(f"--sources {empty}: every conversation was skipped ({[s['skipped_by_reason'] for s in summary if s['name'] in empty]}); "
-                         f"raise --max_length ({max_length}) or drop the source")
-    late_skips = [row for meta in metas for row in meta["skipped_conversations"]]
+        raise ValueError(f"--sources {sorted(empty)}: every conversation was skipped ({empty}); raise --max_length "
+                         f"({max_length}) or drop the source")
+    late_skips = [row for meta in train_metas + eval_metas for row in meta["skipped_conversations"]]
     report_skipped(selection.skipped + late_skips)
 
     base = {**identity, "model_path": model_path(config.model), "config": asdict(config)}
-    if held_out and not (eval_dir / MANIFEST).is_file():
-        merge_shards(eval_dir, eval_shards, {**base, "split_role": "eval"})
-    held = json.loads((eval_dir / MANIFEST).read_text()) if held_out else None
+    if held_out and held is None:
+        held = merge_shards(eval_dir, eval_shards, {**base, "split_role": "eval", "shard_metas": eval_metas})
     skipped = selection.skipped + late_skips
     manifest = merge_shards(output_dir, train_shards, {  # writes OUT/manifest.json last
         **base, "split_role": "train",
-        "conversations_read": len(selection.examples),
+        "rows_read": sum(selection.read.values()),
+        "conversations_selected": len(selection.examples),  # after bad rows, duplicates and caps
         "skipped_rows": len(skipped),
         "skipped_by_reason": dict(Counter(row["reason"] for row in skipped)),
         "skipped_row_details": skipped[:MAX_DETAILS],

@@ -141,10 +141,16 @@ def test_source_without_answers_is_an_error_naming_it(tmp_path):
         build(tmp_path, [good, f"bench={prompts}"])
 
 
-def test_resume_is_a_no_op_and_other_settings_are_refused(tmp_path, capsys):
-    source = write_jsonl(tmp_path / "s.jsonl", [sharegpt("Hi", "Hello")])
-    manifest = build(tmp_path, [source])
-    assert build(tmp_path, [source]) == manifest
+def test_resume_after_the_held_out_merge_and_other_settings_refused(tmp_path):
+    source = write_jsonl(tmp_path / "s.jsonl", [sharegpt(f"Prompt {i}", f"Answer {i}") for i in range(12)])
+    manifest = build(tmp_path, [source], eval_fraction=0.4)
+    assert build(tmp_path, [source], eval_fraction=0.4) == manifest  # complete: nothing to do
+    before = datasets.load_from_disk(str(tmp_path / "out"))["input_ids"]
+    (tmp_path / "out" / "manifest.json").unlink()  # as if killed after OUT/eval was merged
+    resumed = build(tmp_path, [source], eval_fraction=0.4)
+    assert datasets.load_from_disk(str(tmp_path / "out"))["input_ids"] == before
+    assert [s["held_out_conversations"] for s in resumed["sources"]] == [manifest["eval"]["conversations"]]
+    assert resumed["tokens"] == manifest["tokens"] and not (tmp_path / "out" / "eval" / "shards").exists()
     with pytest.raises(ValueError, match="other settings"):
         build(tmp_path, [source], eval_fraction=0.5)
 
