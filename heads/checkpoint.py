@@ -92,7 +92,11 @@ def engine_config(config: HeadsConfig) -> dict[str, Any]:
                 "base_model_name_or_path": config.base_model_name_or_path,
                 "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
     if config.kind == "eagle":
-        return {"architectures": ["LlamaForCausalLM"], **_llama_keys(config), "bias": config.eagle_fc_bias}
+        # Never "bias": true (vLLM reads it as attention biases; the reference defaults to an fc bias anyway), and a
+        # head with an fc bias declares SGLang's architecture, which vLLM refuses instead of dropping fc.bias.
+        if config.eagle_fc_bias:
+            return {"architectures": ["LlamaForCausalLMEagle"], **_llama_keys(config)}
+        return {"architectures": ["LlamaForCausalLM"], **_llama_keys(config), "bias": False}
     if config.kind == "eagle3":
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_keys(config),
                 "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.hidden_size,

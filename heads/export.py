@@ -13,6 +13,10 @@ one residual block per head (its MedusaHeadV2 applies the target's LM head); for
 per head) and for vLLM (`original_lm_head: true`, one copy) `--target` (the base model) is required and its LM
 head weight is written into the export.
 heads/FORMATS.md lists what each engine's loader requires.
+
+No silent misload: an export never carries a config key that another engine reads differently (`"bias": true`
+is read by vLLM as q/k/v/o biases that the file does not have), a layout an engine cannot run is refused with the
+reason and the fix, and each exported directory's README.md names its engine and the command that loads it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,20 @@ from heads.config import HeadsConfig
 ENGINES = ("vllm", "sglang", "tgi", "eagle")
 SUPPORTED = {"medusa": ("tgi", "vllm"), "eagle": ("eagle", "vllm", "sglang"),
              "eagle3": ("vllm", "sglang", "eagle"), "mtp": ()}
+# Why an engine cannot run a kind, and what to do instead (the refusal message).
+_UNSUPPORTED = {
+    "mtp": "no engine loads user-trained MTP modules (vLLM's and SGLang's MTP loaders read the target's own "
+           "built-in MTP layers); serve them with our runtime (python -m runtime.generate --heads DIR), or train "
+           "--method eagle3 for vLLM/SGLang",
+    "medusa": "Medusa heads load in TGI (--to tgi) and vLLM (--to vllm) only",
+    "eagle": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
+    "eagle3": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
+}
+# config.json keys that one engine reads with another meaning: an export carrying them misloads silently there.
+MISREAD_KEYS = {
+    "bias": "vLLM's Llama layers read a true top-level \"bias\" as q/k/v/o attention biases (uninitialised: "
+            "outputs ~1e36, nothing accepted); the EAGLE reference and SGLang get their fc bias from fc.bias",
+}
 
 
 @dataclass
@@ -93,8 +111,22 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exporte
     if to not in ENGINES:
         raise ValueError(f"--to: expected one of {ENGINES}, got {to!r}")
     if to not in SUPPORTED[config.kind]:
-        raise ValueError(f"--to {to}: no {to} layout for kind {config.kind!r}; supported: "
-                         f"{SUPPORTED[config.kind] or 'none (our runtime only)'}")
+        raise ValueError(f"--to {to}: no {to} layout for kind {config.kind!r}: {_UNSUPPORTED[config.kind]}")
+    plan = _plan(heads, to, lm_head_weight)
+    check_engine_config(plan.config, to)
+    return plan
+
+
+def check_engine_config(config: dict, to: str) -> None:
+    """Refuse an exported config.json that another engine would misread (see MISREAD_KEYS)."""
+    for key, why in MISREAD_KEYS.items():
+        if config.get(key):
+            raise ValueError(f"--to {to}: the exported config.json would carry {key!r}: {config[key]!r}; {why}. "
+                             f"Ship the tensor instead of the flag")
+
+
+def _plan(heads, to: str, lm_head_weight: Tensor | None) -> Exported:
+    config = heads.config
     native = {"specheads": config.to_dict()}
     if config.kind == "medusa":
         tensors, config = _medusa_tensors(heads, to, lm_head_weight)
@@ -121,22 +153,65 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exporte
     tensors = module_to_file_names(config.kind, heads.state_dict())
     if config.kind == "eagle3":
         return Exported(tensors, "model.safetensors", {**engine_config(config), **native})
-    # EAGLE-1/2
-    base = engine_config(config)
-    if to == "eagle":
-        return Exported(tensors, "model.safetensors", {**base, **native})
+    # EAGLE-1/2. No "bias" key in any export (MISREAD_KEYS): the fc bias travels as the fc.bias tensor.
+    base = {k: v for k, v in engine_config(config).items() if k != "bias"}
     if to == "vllm":
         bias = tensors.pop("fc.bias", None)
         if bias is not None and bool(bias.ne(0).any()):
-            raise ValueError("--to vllm: vLLM's EAGLE-1/2 loader builds fc without a bias, but this head's fc.bias "
-                             "is non-zero; train with eagle_fc_bias=False (or export --to sglang/eagle)")
-        return Exported(tensors, "model.safetensors", {**base, "bias": False})
-    # sglang: fc always has a bias there; a head trained without one gets zeros (same function).
+            raise ValueError("--to vllm: vLLM builds the EAGLE-1/2 fc without a bias and would drop this head's "
+                             "non-zero fc.bias silently; retrain with --eagle_fc_bias false (the default), or "
+                             "export --to sglang / --to eagle")
+        # "bias": false tells the EAGLE reference (which defaults to a bias) that fc has none; vLLM reads it as "no
+        # attention bias", which is right.
+        return Exported(tensors, "model.safetensors", {**base, "architectures": ["LlamaForCausalLM"], "bias": False})
+    # SGLang and the EAGLE reference always build fc with a bias: a head trained without one ships zeros (same
+    # function). SGLang's architecture name (the reference ignores it) keeps vLLM, which would drop fc.bias, from
+    # loading either directory: vLLM looks for "EagleLlamaForCausalLMEagle" and fails.
     if "fc.bias" not in tensors:
         weight = tensors["fc.weight"]
         tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
-    return Exported(tensors, "model.safetensors", {**base, "architectures": ["LlamaForCausalLMEagle"],
-                                                   "bias": True})
+    base["architectures"] = ["LlamaForCausalLMEagle"]
+    return Exported(tensors, "model.safetensors", {**base, **native} if to == "eagle" else base)
+
+
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI (text-generation-inference)",
+                 "eagle": "the EAGLE reference implementation (SafeAILab/EAGLE)"}
+_VLLM_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
+_SGLANG_ALGORITHM = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+
+
+def load_instructions(config: HeadsConfig, to: str, chain: int = 3) -> str:
+    """README.md section: which engine this directory is for and the exact command that loads it.
+
+    BASE is the target as a Hub id or plain HF directory (a GGUF target: `heads.loading.model_path(...)` gives the
+    converted directory); HEADS is this directory. `chain` drafts per step.
+    """
+    base = config.base_model_name_or_path
+    lines = [f"## Load with {_ENGINE_NAMES[to]}", "",
+             f"This directory is the `{to}` layout (`python -m heads.export --to {to}`); it is meant for "
+             f"{_ENGINE_NAMES[to]} only, other engines need their own export. BASE = `{base}` as a Hub id or a "
+             f"plain Hugging Face directory (for a GGUF file: `python -c \"from heads.loading import model_path; "
+             f"print(model_path('{base}'))\"`), HEADS = this directory.", ""]
+    if to == "vllm":
+        method = _VLLM_METHOD[config.kind]
+        lines += ["```python", "from vllm import LLM, SamplingParams",
+                  f'llm = LLM(model=BASE, speculative_config={{"method": "{method}", "model": HEADS, '
+                  f'"num_speculative_tokens": {chain}}})',
+                  "llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128))", "```", "",
+                  "```bash", f'vllm serve BASE --speculative-config \'{{"method": "{method}", "model": "HEADS", '
+                  f'"num_speculative_tokens": {chain}}}\'', "```"]
+    elif to == "sglang":
+        lines += ["```bash", f"python -m sglang.launch_server --model-path BASE --speculative-algorithm "
+                  f"{_SGLANG_ALGORITHM[config.kind]} --speculative-draft-model-path HEADS --speculative-num-steps "
+                  f"{chain} --speculative-eagle-topk 1 --speculative-num-draft-tokens {chain + 1}", "```"]
+    elif to == "tgi":
+        lines += ["TGI reads `base_model_name_or_path` from config.json and loads that model with these heads:", "",
+                  "```bash", "text-generation-launcher --model-id HEADS", "```"]
+    else:
+        lines += ["```python", "from eagle.model.ea_model import EaModel",
+                  "model = EaModel.from_pretrained(base_model_path=BASE, ea_model_path=HEADS"
+                  + (", use_eagle3=True" if config.kind == "eagle3" else "") + ")", "```"]
+    return "\n".join(lines) + "\n"
 
 
 def export_heads(heads_dir: str | Path, to: str, output_dir: str | Path, target: str | None = None) -> Path:
@@ -156,7 +231,7 @@ def export_heads(heads_dir: str | Path, to: str, output_dir: str | Path, target:
         save_file({k: v.detach().contiguous().clone() for k, v in plan.tensors.items()},
                   str(tmp / plan.weights_file), metadata={"format": "pt"})
         write_json(tmp / CONFIG_FILE, plan.config)
-        card = model_card(heads.config) + f"\nExported for {to} with `python -m heads.export --to {to}`.\n"
+        card = model_card(heads.config) + "\n" + load_instructions(heads.config, to)
         (tmp / CARD_FILE).write_text(card)
     return output_dir
 

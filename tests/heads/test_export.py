@@ -129,17 +129,66 @@ def test_checkers_fail_on_planted_mistakes(saved, tmp_path, name):
 
 
 def test_unsupported_exports_are_refused(saved, tmp_path):
-    with pytest.raises(ValueError, match="no vllm layout for kind 'mtp'"):
+    with pytest.raises(ValueError, match="no vllm layout for kind 'mtp': no engine loads user-trained MTP.*"
+                                         "runtime.generate"):
         export_heads(saved["mtp"], "vllm", tmp_path / "a")
-    with pytest.raises(ValueError, match="no sglang layout for kind 'medusa'"):
+    with pytest.raises(ValueError, match="no sglang layout for kind 'medusa': .*--to tgi"):
         export_heads(saved["medusa"], "sglang", tmp_path / "b")
+    with pytest.raises(ValueError, match="no tgi layout for kind 'eagle3': TGI .*--to vllm"):
+        export_heads(saved["eagle3"], "tgi", tmp_path / "e")
     with pytest.raises(ValueError, match="--to: expected one of"):
         export_heads(saved["eagle3"], "trt", tmp_path / "c")
     with pytest.raises(ValueError, match="--target: .*vLLM's Medusa loader does not read the target's LM head"):
         export_heads(saved["medusa_shared"], "vllm", tmp_path / "d")
     heads = load_heads(saved["eagle"])  # fc.bias non-zero
-    with pytest.raises(ValueError, match="vLLM's EAGLE-1/2 loader builds fc without a bias"):
+    with pytest.raises(ValueError, match="--to vllm: vLLM builds the EAGLE-1/2 fc without a bias.*"
+                                         "--eagle_fc_bias false"):
         plan_export(heads, "vllm")
+
+
+def test_vllm_misreading_bias_true_is_refused(saved, monkeypatch):
+    """The silent misload: an EAGLE-1 config.json with `"bias": true` (as --to eagle/sglang once wrote), loaded by
+    vLLM, gives q/k/v/o biases that the file does not have (uninitialised: outputs ~1e36, nothing accepted). No
+    export writes the key any more, and a plan that would carry it is refused, naming vLLM."""
+    for kind, engine in CASES:
+        config = plan_export(load_heads(saved[kind]), engine, torch.zeros(V, H)).config
+        assert not config.get("bias"), (kind, engine, config.get("bias"))
+    heads = load_heads(saved["eagle"])  # trained with an fc bias: SGLang/reference get it as the fc.bias tensor
+    assert "fc.bias" in plan_export(heads, "sglang").tensors and "fc.bias" in plan_export(heads, "eagle").tensors
+    import heads.export as export_module
+    from heads.checkpoint import engine_config
+
+    # Reproduce the condition: engine keys that say "bias": true (what the EAGLE-1 exports used to carry).
+    monkeypatch.setattr(export_module, "engine_config", lambda config: {**engine_config(config), "bias": True})
+    for engine in ("vllm", "sglang", "eagle"):
+        with pytest.raises(ValueError, match=f"--to {engine}: .*'bias': True.*vLLM.*attention biases"):
+            plan_export(load_heads(saved["eagle3"]), engine)
+
+
+def test_default_eagle_heads_export_to_vllm_and_sglang(target, tmp_path):
+    """A head built with the defaults (training's --eagle_fc_bias false) exports to vLLM and to SGLang (zero bias)."""
+    from training.config import TrainConfig
+    from training.methods import heads_config
+
+    config = heads_config(TrainConfig(method="eagle", model=TARGET_NAME), target)
+    assert config.eagle_fc_bias is False
+    heads = build_heads(config)
+    heads.save_pretrained(tmp_path / "h")
+    for engine in ("vllm", "sglang", "eagle"):
+        out = export_heads(tmp_path / "h", engine, tmp_path / engine)
+        assert check_eagle(out, H, V, engine) == []
+    assert not load_file(str(tmp_path / "sglang" / "model.safetensors"))["fc.bias"].any()
+
+
+@pytest.mark.parametrize("kind, engine, command", [
+    ("eagle3", "vllm", "speculative_config={\"method\": \"eagle3\""), ("eagle3", "vllm", "vllm serve BASE"),
+    ("medusa", "vllm", "\"method\": \"medusa\""), ("eagle", "sglang", "--speculative-algorithm EAGLE "),
+    ("eagle3", "sglang", "--speculative-algorithm EAGLE3"), ("medusa", "tgi", "text-generation-launcher"),
+    ("eagle", "eagle", "EaModel.from_pretrained")])
+def test_export_readme_names_engine_and_load_command(saved, tmp_path, kind, engine, command):
+    out = export_heads(saved[kind], engine, tmp_path / "out")
+    card = (out / "README.md").read_text()
+    assert f"`{engine}` layout" in card and command in card, card
 
 
 def test_shared_lm_head_medusa_exports(tmp_path):
