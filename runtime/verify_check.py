@@ -6,7 +6,7 @@ implementation, `check_mode` compares our forwards with the model's own causal f
 mask) over the same tokens:
 
 - tree:  a tree with several branches (depth 3) forwarded in ONE call with the tree mask == per-path causal
-         forwards, node by node; then an accepted path that is not the first nodes is committed (the one
+         forwards (batched into one forward), node by node; then an accepted path that is not the first nodes is committed (the one
          compaction routine moves slots) and the next forward == the causal forward of the kept sequence, and
          the compacted cache == the cache of a sequential prefill of that sequence;
 - chain: the same through the model's own causal path (2D mask, rollback by cropping the cache);
@@ -85,12 +85,14 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / max(1.0, float(want.abs().max())))
 
 
-def _causal_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    """The model's own causal forward over `ids` (no cache, no custom mask): logits [T, V] float."""
-    tokens = torch.tensor([ids], device=model.device)
+def _causal_logits(model: PreTrainedModel, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The model's own causal forward over each sequence (no cache, no custom mask), all in ONE batch: logits
+    [T_i, V] float per sequence. Right padding is harmless under a causal mask (no real token sees it)."""
+    length = max(len(ids) for ids in sequences)
+    tokens = torch.tensor([ids + [ids[-1]] * (length - len(ids)) for ids in sequences], device=model.device)
     with torch.inference_mode():
         out = model(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
-    return out.logits[0].float()
+    return [out.logits[i, :len(ids)].float() for i, ids in enumerate(sequences)]
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> float:
@@ -131,23 +133,25 @@ def check_mode(model: PreTrainedModel, mode: str, seed: int = 0) -> float:
     tree = Tree.from_parents(parents)
     tokens = torch.randint(vocab, (tree.num_nodes,), generator=gen)
     after = torch.randint(vocab, (2 if mode != "plain" else 1,), generator=gen)  # the next forward after commit
+    paths = tree.paths()
+    kept = prefix + tokens[keep].tolist()
     try:
+        references = _causal_logits(model, [prefix + tokens[path].tolist() for path in paths]
+                                    + [kept + after.tolist()])
         target = TargetModel(model, mode=mode)
         worst = _compare("prefill", target.prefill(torch.tensor(prefix)).logits[-1],
-                         _causal_logits(model, prefix)[-1], tolerance)
+                         references[0][PREFIX_LENGTH - 1], tolerance)
         out = target.forward(tokens.to(target.device), tree).logits  # [N, V]
-        for path in tree.paths():
-            want = _causal_logits(model, prefix + tokens[path].tolist())[PREFIX_LENGTH:]
-            worst = max(worst, _compare(f"{mode} forward, path {path}", out[path], want, tolerance))
+        for path, want in zip(paths, references, strict=False):
+            worst = max(worst, _compare(f"{mode} forward, path {path}", out[path], want[PREFIX_LENGTH:], tolerance))
         target.commit(keep)
-        kept = prefix + tokens[keep].tolist()
         if mode != "plain":
             sequential = TargetModel(model, mode="chain" if mode != "tree" else "tree")
             sequential.prefill(torch.tensor(kept))
             _compare_caches(f"compacted cache (kept nodes {keep})", target.cache, sequential.cache, tolerance)
         out = target.forward(after.to(target.device), Tree.chain(after.numel() - 1)).logits
-        want = _causal_logits(model, kept + after.tolist())[len(kept):]
-        worst = max(worst, _compare(f"forward after committing nodes {keep}", out, want, tolerance))
+        worst = max(worst, _compare(f"forward after committing nodes {keep}", out, references[-1][len(kept):],
+                                    tolerance))
     except CheckFailed:
         raise
     except Exception as error:  # the model raised: the mode does not work for it, say where
