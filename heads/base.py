@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from heads.config import HeadsConfig
 from heads.layers import LayerKV
+from heads.vocab import validate_vocab_mapping
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,41 @@ class HeadsModule(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
+        if config.draft_vocab_size:
+            # Placeholder until set_vocab_mapping (load_heads installs the saved one): the first Vd target ids.
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self._install_draft_vocab(torch.zeros(config.draft_vocab_size, dtype=torch.int64), t2d)
+
+    def _install_draft_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Register d2t/t2d as buffers (EAGLE-3: saved in the weights; other kinds: kept out of the engine-facing
+        weights file and saved next to it by heads.checkpoint)."""
+        persistent = self.config.kind == "eagle3"
+        self.register_buffer("d2t", d2t.clone(), persistent=persistent)
+        self.register_buffer("t2d", t2d.clone(), persistent=persistent)
+
+    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install the draft vocabulary d2t int64 [Vd] / t2d bool [V] (heads.vocab.build_vocab_mapping); validated.
+
+        EAGLE-3: Vd is fixed by its own reduced `lm_head` (config.draft_vocab_size). Medusa, EAGLE-1/2 and MTP
+        draft through full-vocabulary projections, so any Vd works: only the drafting logits are restricted to
+        those rows (the target still verifies every token), and `config.draft_vocab_size` records Vd.
+        """
+        fixed = self.config.kind == "eagle3"
+        size = self.config.draft_vocab_size if fixed else int(d2t.numel())
+        validate_vocab_mapping(d2t, t2d, self.config.vocab_size, size, f"{type(self).__name__}.set_vocab_mapping")
+        if fixed:
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            return
+        device = next(self.parameters()).device
+        self.config.draft_vocab_size = size
+        self._install_draft_vocab(d2t.to(device), t2d.to(device))
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        """True when drafting uses a reduced vocabulary (`d2t`/`t2d`); False: the full target vocabulary."""
+        return bool(self.config.draft_vocab_size) and hasattr(self, "d2t")
 
     @property
     def dtype(self) -> torch.dtype:

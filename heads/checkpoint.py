@@ -8,6 +8,10 @@ A head directory holds exactly three files:
   for the other kinds. Only the head's own weights: never the target's embedding or LM head.
 - `README.md`: the model card (base model, method, training data, measured acceptance from `metrics`).
 
+plus, for Medusa / EAGLE-1/2 / MTP heads given a reduced draft vocabulary (heads.vocab), `draft_vocab.safetensors`
+with EAGLE-3's `d2t` / `t2d` tensors: used by our runtime for drafting only, kept out of the weights file so the
+engines load the weights as before (they draft over the full vocabulary). EAGLE-3 keeps d2t/t2d in its weights.
+
 Directories are written atomically (a temporary sibling directory renamed into place).
 """
 
@@ -37,6 +41,7 @@ from heads.vocab import validate_vocab_mapping
 
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 MODULES: dict[str, type[HeadsModule]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft,
                                          "mtp": MTPHeads}
 
@@ -156,6 +161,9 @@ def model_card(config: HeadsConfig) -> str:
                      + (", shared target LM head" if config.medusa_shared_lm_head else ""))
     if config.kind == "eagle3":
         lines.append(f"- Draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target ids (d2t/t2d)")
+    elif config.draft_vocab_size:
+        lines.append(f"- Draft vocabulary: {config.draft_vocab_size} of {config.vocab_size} target ids "
+                     f"({DRAFT_VOCAB_FILE}, drafting only)")
     if config.kind == "mtp":
         lines.append(f"- Depths: {config.mtp_num_depths}")
     lines += ["", "## Measured acceptance", ""]
@@ -181,14 +189,18 @@ def save_heads(heads: HeadsModule, directory: str | Path) -> Path:
     """Write config.json, the weights file and README.md into `directory` (atomically). Returns the path."""
     config = heads.config
     config.dtype = _tensor_dtype(heads)
-    if isinstance(heads, Eagle3Draft):
-        validate_vocab_mapping(heads.d2t, heads.t2d, config.vocab_size, config.draft_vocab_size,
+    separate_vocab = config.kind != "eagle3" and heads.has_draft_vocab
+    if isinstance(heads, Eagle3Draft) or separate_vocab:
+        validate_vocab_mapping(heads.d2t.cpu(), heads.t2d.cpu(), config.vocab_size, config.draft_vocab_size,
                                "save_heads")
     tensors = {name: t.detach().to("cpu").contiguous().clone()
                for name, t in module_to_file_names(config.kind, heads.state_dict()).items()}
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         save_file(tensors, str(tmp / weights_file(config.kind)), metadata={"format": "pt"})
+        if separate_vocab:
+            save_file({"d2t": heads.d2t.cpu().contiguous(), "t2d": heads.t2d.cpu().contiguous()},
+                      str(tmp / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
         write_json(tmp / CONFIG_FILE, {**engine_config(config), "specheads": config.to_dict()})
         (tmp / CARD_FILE).write_text(model_card(config))
     return directory
@@ -274,6 +286,13 @@ def load_heads(directory_or_repo: str | Path, target: Any = None, *, target_name
         validate_vocab_mapping(tensors["d2t"], tensors["t2d"], config.vocab_size, config.draft_vocab_size,
                                str(wfile))
     heads.load_state_dict(tensors, strict=True)
+    if config.kind != "eagle3" and config.draft_vocab_size:
+        vocab = read_safetensors(directory / DRAFT_VOCAB_FILE)
+        if set(vocab) != {"d2t", "t2d"}:
+            raise ValueError(f"{directory / DRAFT_VOCAB_FILE}: expected tensors d2t and t2d, got {sorted(vocab)}")
+        validate_vocab_mapping(vocab["d2t"], vocab["t2d"], config.vocab_size, config.draft_vocab_size,
+                               str(directory / DRAFT_VOCAB_FILE))
+        heads.set_vocab_mapping(vocab["d2t"], vocab["t2d"])
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(floats) == 1:
         heads.to(next(iter(floats)))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from heads.base import DraftOutput, HeadsModule
 from heads.config import HeadsConfig
 from heads.layers import DecoderLayer, LayerKV, RMSNorm
-from heads.vocab import draft_logits_to_target, draft_to_target_ids, validate_vocab_mapping
+from heads.vocab import draft_logits_to_target, draft_to_target_ids
 
 
 class EagleDraft(HeadsModule):
@@ -67,18 +67,7 @@ class Eagle3Draft(HeadsModule):
         self.midlayer = DecoderLayer(config, mode="eagle3")
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        # Until set_vocab_mapping: the draft vocabulary is the first draft_vocab_size target ids.
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-
-    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
-        """Install d2t int64 [Vd] / t2d bool [V] (see heads.vocab.build_vocab_mapping); validated."""
-        validate_vocab_mapping(d2t, t2d, self.config.vocab_size, self.config.draft_vocab_size,
-                               "Eagle3Draft.set_vocab_mapping")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        # d2t / t2d buffers: registered by HeadsModule (the first draft_vocab_size ids until set_vocab_mapping).
 
     def project(self, target_hidden_states: Tensor | Sequence[Tensor]) -> Tensor:
         """Three target layers' features: [B, S, 3H] or a sequence of 3 x [B, S, H] (low, mid, high) -> [B, S, H]."""

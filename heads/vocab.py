@@ -1,14 +1,24 @@
-"""EAGLE-3's reduced draft vocabulary: `d2t` / `t2d` and the maps between draft and target ids.
+"""The reduced draft vocabulary (EAGLE-3's `d2t` / `t2d`, FR-Spec's idea for every head kind) and its CLI.
 
 - `d2t` int64 [draft_vocab_size]: target_id = draft_id + d2t[draft_id] (the layout vLLM and SGLang read).
 - `t2d` bool [vocab_size]: True for target ids that are in the draft vocabulary.
 The draft vocabulary is the `draft_vocab_size` most frequent target ids (ties broken by the smaller id),
 sorted by id, so d2t is non-decreasing and draft id order follows target id order.
+
+EAGLE-3 has it built in (its `lm_head` has Vd rows). Medusa, EAGLE-1/2 and MTP keep full-vocabulary
+projections; with a draft vocabulary the runtime drafts over only those Vd rows (gathered once at load), which
+on a small target is most of the draft's cost. Lossless: the target verifies every token (greedy: identical
+output; sampling: q is zero outside the draft vocabulary and rejection sampling corrects for it).
+
+Give saved heads a draft vocabulary counted on a distilled dataset's assistant tokens:
+
+    python -m heads.vocab --heads DIR --dataset ARROW_DIR --size 8192 [--output_dir OUT]
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -59,6 +69,22 @@ def validate_vocab_mapping(d2t: Tensor, t2d: Tensor, vocab_size: int, draft_voca
                          f"d2t maps {draft_vocab_size})")
 
 
+def draft_target_ids(d2t: Tensor) -> Tensor:
+    """The target ids of the draft vocabulary [Vd] int64, in draft id order."""
+    return d2t + torch.arange(d2t.numel(), device=d2t.device)
+
+
+def coverage(token_counts: Tensor, sizes: Iterable[int], evaluated_counts: Tensor) -> dict[int, float]:
+    """Share of the tokens counted in `evaluated_counts` [V] that fall inside the draft vocabulary of each size
+    built from `token_counts` [V] (sizes above V mean the full vocabulary)."""
+    total = max(int(evaluated_counts.sum()), 1)
+    shares = {}
+    for size in sizes:
+        _, t2d = build_vocab_mapping(token_counts, min(size, torch.as_tensor(token_counts).numel()))
+        shares[size] = int(evaluated_counts[t2d].sum()) / total
+    return shares
+
+
 def draft_to_target_ids(draft_ids: Tensor, d2t: Tensor) -> Tensor:
     """Draft ids [...] -> target ids [...] (= draft_id + d2t[draft_id])."""
     return draft_ids + d2t[draft_ids]
@@ -66,7 +92,7 @@ def draft_to_target_ids(draft_ids: Tensor, d2t: Tensor) -> Tensor:
 
 def target_to_draft_ids(target_ids: Tensor, d2t: Tensor, t2d: Tensor) -> Tensor:
     """Target ids [...] -> draft ids [...], -1 where the target id is not in the draft vocabulary."""
-    targets = d2t + torch.arange(d2t.numel(), device=d2t.device)
+    targets = draft_target_ids(d2t)
     index = torch.full((t2d.numel(),), -1, dtype=torch.int64, device=d2t.device)
     index[targets] = torch.arange(d2t.numel(), device=d2t.device)
     return index[target_ids]
@@ -75,6 +101,64 @@ def target_to_draft_ids(target_ids: Tensor, d2t: Tensor, t2d: Tensor) -> Tensor:
 def draft_logits_to_target(draft_logits: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
     """Draft logits [..., Vd] -> target-vocabulary logits [..., V], -inf for ids outside the draft vocab."""
     out = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
-    targets = d2t + torch.arange(d2t.numel(), device=d2t.device)
-    out[..., targets] = draft_logits
+    out[..., draft_target_ids(d2t)] = draft_logits
     return out
+
+
+# ---- CLI: give saved heads a draft vocabulary ------------------------------------------------------------
+
+@dataclass
+class VocabFlags:
+    heads: str = field(default="", metadata={"help": "Heads directory (Medusa, EAGLE-1/2 or MTP) to give a draft "
+                                             "vocabulary; rewritten in place unless --output_dir."})
+    dataset: str = field(default="", metadata={"help": "Distilled Arrow dataset (python -m data.distill output): "
+                                               "its assistant tokens (loss_mask 1) are counted."})
+    size: int = field(default=8192, metadata={"help": "Draft vocabulary size: the N most frequent target ids; 0 "
+                                              "removes the draft vocabulary (full target vocabulary)."})
+    output_dir: str = field(default="", metadata={"help": "Write the heads here instead of over --heads."})
+
+
+def dataset_token_counts(dataset_dir: str, vocab_size: int) -> Tensor:
+    """Counts [V] of the assistant tokens (loss_mask 1) of a `save_to_disk` dataset with input_ids/loss_mask."""
+    from pathlib import Path
+
+    import datasets
+
+    if not Path(dataset_dir).is_dir():
+        raise FileNotFoundError(f"--dataset {dataset_dir}: no such directory (expected a data.distill output)")
+    rows = datasets.load_from_disk(dataset_dir)
+    if not {"input_ids", "loss_mask"} <= set(rows.column_names):
+        raise ValueError(f"--dataset {dataset_dir}: expected columns input_ids and loss_mask, got {rows.column_names}")
+    return count_tokens(([t for t, m in zip(ids, mask, strict=True) if m]
+                         for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True)), vocab_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from heads.checkpoint import load_heads, save_heads
+    from heads.cli import parse_flags
+
+    flags = parse_flags(VocabFlags, argv)
+    if not flags.heads or not flags.dataset:
+        raise ValueError("--heads and --dataset are required")
+    heads = load_heads(flags.heads)
+    config = heads.config
+    if config.kind == "eagle3":
+        raise ValueError(f"--heads {flags.heads}: EAGLE-3 heads have their draft vocabulary built into lm_head "
+                         f"({config.draft_vocab_size} rows, set at training by --draft_vocab_size)")
+    if not 0 <= flags.size <= config.vocab_size:
+        raise ValueError(f"--size {flags.size}: expected 0 (full vocabulary) .. {config.vocab_size}")
+    counts = dataset_token_counts(flags.dataset, config.vocab_size)
+    if flags.size:
+        heads.set_vocab_mapping(*build_vocab_mapping(counts, flags.size))
+        share = coverage(counts, [flags.size], counts)[flags.size]
+        print(f"draft vocabulary: {flags.size} of {config.vocab_size} target ids, covering {share:.1%} of the "
+              f"{int(counts.sum())} assistant tokens of {flags.dataset}")
+    else:
+        config.draft_vocab_size = 0
+        print("draft vocabulary removed: drafting uses the full target vocabulary")
+    out = save_heads(heads, flags.output_dir or flags.heads)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,7 @@ from heads.base import target_modules
 from heads.eagle import EagleDraft
 from heads.layers import LayerKV
 from runtime.proposers.base import Draft, root_only
+from runtime.proposers.draft_vocab import DraftVocab
 from runtime.proposers.tree_drafting import (
     Candidates,
     check_top_k,
@@ -72,8 +73,11 @@ class EagleProposer:
         self.dynamic = dynamic
         self.sampling = sampling or SamplingConfig()
         modules = target_modules(target_model)
-        self.embed_tokens, self.lm_head = modules.embed_tokens, modules.lm_head
+        self.embed_tokens = modules.embed_tokens
         self.vocab_size = int(modules.lm_head.weight.shape[0])
+        self.vocab = DraftVocab.of(heads, self.vocab_size)
+        # EAGLE-1/2 project through the target's LM head: only its draft-vocabulary rows, gathered once.
+        self.draft_lm_head = self.vocab.linear(modules.lm_head) if heads.config.kind == "eagle" else None
         self.hidden_state_indices = tuple(heads.config.target_layers)
         self.generator = torch.Generator().manual_seed(seed + 3) if seed is not None else None
         self.dtype = next(heads.parameters()).dtype
@@ -88,7 +92,7 @@ class EagleProposer:
     # ---- what EAGLE-3 overrides ----------------------------------------------------------------------
     @property
     def draft_vocab_size(self) -> int:
-        return self.vocab_size
+        return self.vocab.size
 
     def features(self, hidden: dict[int, Tensor]) -> Tensor:
         """Target hidden states {index: [n, H]} -> draft input features [n, H]."""
@@ -96,13 +100,13 @@ class EagleProposer:
 
     def draft_logits(self, outputs: Tensor) -> Tensor:
         """Draft outputs [..., H] -> logits over the draft vocabulary [..., Vd] (float32)."""
-        return self.heads.compute_logits(outputs.to(self.lm_head.weight.dtype), self.lm_head).float()
+        return self.heads.compute_logits(outputs.to(self.draft_lm_head.weight.dtype), self.draft_lm_head).float()
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids
+        return self.vocab.to_target(draft_ids)
 
     def to_target_logits(self, logits: Tensor) -> Tensor:
-        return logits
+        return self.vocab.to_target_logits(logits)
 
     # ---- the proposer protocol -----------------------------------------------------------------------
     @property
@@ -183,24 +187,30 @@ class EagleProposer:
 
     def _dynamic_draft(self, session: _DraftSession, root: int, max_tokens: int) -> Draft:
         config = self.dynamic
+        budget = min(config.total_tokens, max_tokens)
         candidates = Candidates.rooted(root)
         layer = [0]
-        for depth in range(config.depth):
+        # Draft only what `select_nodes` can keep. Scores never increase along a path, so a node at depth d+1
+        # is kept only after its d ancestors-or-parent, its better siblings and the better nodes of its
+        # parent's level: the r-th child of the j-th best node of depth d needs d + max(r, j) <= budget.
+        # Hence at most `budget` levels, and per level at most budget - d expanded nodes and children each.
+        for depth in range(min(config.depth, budget)):
+            width = min(config.top_k, budget - depth)
             if depth == 0:
                 rows = session.rows_for(0, [0], [root], candidates.parents)
                 frontier = [0]
             else:
-                frontier = sorted(layer, key=lambda n: -candidates.score[n])[: config.top_k]
+                frontier = sorted(layer, key=lambda n: -candidates.score[n])[:width]
                 frontier.sort()
                 rows = session.rows_for(depth, frontier, [candidates.tokens[n] for n in frontier], candidates.parents)
             log_probs = torch.log_softmax(rows, dim=-1)  # [F, Vd]
-            top = log_probs.topk(config.top_k, dim=-1)
+            top = log_probs.topk(width, dim=-1)
             ids = self.to_target(top.indices)  # [F, k] target ids
             layer = []
             for node, token_row, lp_row in zip(frontier, ids.tolist(), top.values.tolist(), strict=True):
                 for token, lp in zip(token_row, lp_row, strict=True):
                     layer.append(candidates.add(node, token, lp))
-        kept = select_nodes(candidates, min(config.total_tokens, max_tokens))
+        kept = select_nodes(candidates, budget)
         return ordered_draft(candidates, kept)
 
 

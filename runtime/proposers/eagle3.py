@@ -26,19 +26,10 @@ class Eagle3Proposer(EagleProposer):
                  seed: int | None = None):
         super().__init__(heads, target_model, tree=tree, dynamic=dynamic, sampling=sampling, seed=seed)
 
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.heads.config.draft_vocab_size
-
     def features(self, hidden: dict[int, Tensor]) -> Tensor:
         """{index: [n, H]} for the three target layers -> projected features [n, H]."""
         return self.heads.project([hidden[i].to(self.dtype) for i in self.hidden_state_indices])
 
     def draft_logits(self, outputs: Tensor) -> Tensor:
+        """Its own norm + reduced lm_head [..., Vd]; `self.vocab` (the heads' d2t) maps ids back."""
         return self.heads.compute_logits(outputs).float()
-
-    def to_target(self, draft_ids: Tensor) -> Tensor:
-        return self.heads.draft_to_target(draft_ids)
-
-    def to_target_logits(self, logits: Tensor) -> Tensor:
-        return self.heads.logits_to_target(logits)

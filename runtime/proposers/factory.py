@@ -132,6 +132,12 @@ def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:
     return table
 
 
+def timing_grid(sizes: list[int]) -> list[int]:
+    """The sizes at which draft time is measured (powers of two and the largest size; linear in between):
+    drafts are bounded by their size (levels, children and logits rows), so their time grows with it."""
+    return sorted({1, 2, 4, 8, 16, 32, 64, max(sizes)} & set(sizes))
+
+
 def _chain_table(table: list[list[float]] | None, target: TargetModel) -> list[list[float]] | None:
     """Top-1 column only when the target verifies chains (a tree grown from it is a chain)."""
     return table if table is None or target.mode == "tree" else [row[:1] for row in table]
@@ -281,7 +287,7 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
             return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa grown tree, {fixed} nodes", notes)
         taus = expected_accepted_lengths(need_table()[: module.num_heads], options.max_tree_size)
         sizes = [n for n in sizes if n < len(taus)]
-        choice = _auto(target, options, lambda n: taus[n], make, sizes, [max(sizes)])
+        choice = _auto(target, options, lambda n: taus[n], make, sizes, timing_grid(sizes))
         proposer = make(choice.size)
         return HeadsProposer(proposer, config, proposer.tree_size, choice,
                              f"medusa grown tree, auto size {choice.size}", notes)
@@ -318,8 +324,7 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
             if fixed is not None:
                 return HeadsProposer(make(fixed), config, fixed, None, f"{name} chain of {fixed}")
             tau = chain_expected_tau(need_table_column(need_table()))
-            grid = sorted({1, 2, 4, 8, 16, 32, 64, options.max_tree_size} & set(sizes))
-            choice = _auto(target, options, tau, make, sizes, grid)
+            choice = _auto(target, options, tau, make, sizes, timing_grid(sizes))
             return HeadsProposer(make(choice.size), config, choice.size, choice, f"{name} chain, auto length "
                                                                                    f"{choice.size}")
         if options.tree:
@@ -337,11 +342,11 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
         timer = DraftTimer(target, options.cost_kv_length, tuple(config.target_layers))
         best: tuple[float, int, int, SizeChoice] | None = None
         all_rows: list[dict[str, float]] = []
-        for d, k in shapes:  # the draft cost depends on (depth, top_k), not on total_tokens
+        for d, k in shapes:
             taus = expected_accepted_lengths([row[:k] for row in table[:d]], options.max_tree_size)
             candidates = [fixed] if fixed is not None else [n for n in sizes if n < len(taus)] or [1]
             choice = _auto(target, options, lambda n, t=taus: t[min(n, len(t) - 1)],
-                           lambda n, d=d, k=k: make_shape(d, k, n), candidates, [max(candidates)], timer)
+                           lambda n, d=d, k=k: make_shape(d, k, n), candidates, timing_grid(candidates), timer)
             rate = next(r["tokens_per_second"] for r in choice.rows[1:] if r["size"] == choice.size)
             for row in choice.rows[1:]:
                 row.update(depth=d, top_k=k)

@@ -22,6 +22,7 @@ from heads.base import target_modules
 from heads.layers import LayerKV
 from heads.mtp import MTPHeads
 from runtime.proposers.base import Draft, root_only
+from runtime.proposers.draft_vocab import DraftVocab
 from runtime.proposers.tree_drafting import draft_static_tree
 from runtime.sampling import SamplingConfig
 from runtime.tree_search import static_tree
@@ -41,8 +42,10 @@ class MTPProposer:
         self.chain = static_tree([[0] * d for d in range(1, chain_length + 1)], "MTP chain", num_heads=depths)
         self.sampling = sampling or SamplingConfig()
         modules = target_modules(target_model)
-        self.embed_tokens, self.lm_head = modules.embed_tokens, modules.lm_head
+        self.embed_tokens = modules.embed_tokens
         self.vocab_size = int(modules.lm_head.weight.shape[0])
+        self.vocab = DraftVocab.of(heads, self.vocab_size)
+        self.draft_lm_head = self.vocab.linear(modules.lm_head)  # the draft-vocabulary rows, gathered once
         self.hidden_state_indices = tuple(heads.config.target_layers)
         self.generator = torch.Generator().manual_seed(seed + 4) if seed is not None else None
         self.dtype = next(heads.parameters()).dtype
@@ -79,7 +82,9 @@ class MTPProposer:
         return out.hidden_states[0], out.past_key_value
 
     def _logits(self, depth: int, h: Tensor) -> Tensor:
-        return self.heads.compute_logits(h.to(self.lm_head.weight.dtype), depth=depth, lm_head=self.lm_head).float()
+        """h_{depth+1} [..., H] -> logits over the draft vocabulary [..., Vd] (float32)."""
+        return self.heads.compute_logits(h.to(self.draft_lm_head.weight.dtype), depth=depth,
+                                         lm_head=self.draft_lm_head).float()
 
     def _feed_committed(self, committed_ids: Tensor) -> int:
         root_pos = committed_ids.numel() - 1
@@ -123,6 +128,6 @@ class MTPProposer:
             return self._logits(depth, out[-1])[None]
 
         draft = draft_static_tree(self.chain, int(committed_ids[-1]), rows_for, self.sampling, self.generator,
-                                  max_tokens, self.vocab_size)
+                                  max_tokens, self.vocab_size, self.vocab.to_target, self.vocab.to_target_logits)
         return Draft(tokens=draft.tokens.to(committed_ids.device), tree=draft.tree,
                      probs=None if draft.probs is None else draft.probs.to(committed_ids.device))

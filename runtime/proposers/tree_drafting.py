@@ -76,7 +76,8 @@ def draft_static_tree(shape: StaticTree, root_token: int, rows_for: RowsFor,
     level = [0]  # draft node ids at the current depth
     depth = 0
     while level and len(tokens) - 1 < max_tokens:
-        expanding = [n for n in level if shape_children[origin[n]]]
+        # Rows only for nodes that can still get a child within the budget (nodes are filled in order).
+        expanding = [n for n in level if shape_children[origin[n]]][: max_tokens - (len(tokens) - 1)]
         if not expanding:
             break
         rows = rows_for(depth, expanding, [tokens[n] for n in expanding], parents)  # [F, Vd]

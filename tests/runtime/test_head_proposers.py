@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from heads import HeadsConfig, build_heads
+from heads.vocab import build_vocab_mapping, draft_target_ids
 from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import GenerationStats, generate
@@ -96,9 +97,12 @@ def make_heads(kind: str, model, sigma: torch.Tensor | None = None, seed: int = 
     return heads
 
 
-def make_proposer(name: str, model, sigma=None, sampling=None, seed: int = 0, **head_options):
+def make_proposer(name: str, model, sigma=None, sampling=None, seed: int = 0, draft_vocab=None, **head_options):
+    """draft_vocab: (token counts [V], size) gives Medusa/EAGLE/MTP heads a reduced draft vocabulary."""
     kind = {"medusa": "medusa", "eagle2": "eagle", "eagle1": "eagle", "eagle3": "eagle3", "mtp": "mtp"}[name]
     heads = make_heads(kind, model, sigma, seed=seed, **head_options)
+    if draft_vocab is not None:
+        heads.set_vocab_mapping(*build_vocab_mapping(*draft_vocab))
     if name == "medusa":
         return MedusaProposer(heads, model, load_tree_file(TREE16, num_heads=4), sampling, seed)
     if name == "eagle2":
@@ -559,3 +563,86 @@ def test_generate_cli_with_heads(tmp_path, capsys):
     assert stats.new_tokens == 20 and "eagle dynamic tree depth 3 top_k 2 total 5" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--method heads needs --heads"):
         GenerateArguments(method="heads").resolved_method()
+
+
+# ------------------------------------------------------------------------------ reduced draft vocabulary
+
+VOCAB_PROPOSERS = ["medusa", "eagle2", "eagle1", "mtp"]
+
+
+@pytest.mark.parametrize("name", VOCAB_PROPOSERS)
+def test_greedy_identical_with_a_draft_vocabulary(name):
+    """Drafting over the 120 most frequent ids (counted on the target's own output, as training data would be)
+    keeps the output identical and still drafts well; every drafted token is in the draft vocabulary."""
+    model, sigma = perm_target("llama")
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    expected = reference(model, prompt, 80)
+    counts = torch.bincount(expected, minlength=256) * 10 + torch.randint(0, 5, (256,), generator=torch.Generator())
+    proposer = make_proposer(name, model, sigma, draft_vocab=(counts, 120))
+    assert proposer.vocab.size == 120
+    tokens, stats = run_loop(model, proposer, prompt, 80)
+    assert torch.equal(tokens, expected)
+    assert stats.tau > 1.6, f"tau {stats.tau:.2f}"
+    allowed = set(draft_target_ids(proposer.heads.d2t).tolist())
+    draft = proposer.propose(torch.cat([prompt, tokens]), proposer.tree_size)
+    assert set(draft.tokens[1:].tolist()) <= allowed
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle1"])  # own projections / the target's LM head (EAGLE, MTP)
+def test_rejection_sampling_with_a_draft_vocabulary(name):
+    """Sampled children from q over 6 of 8 ids (zero elsewhere): the emitted tokens still follow the target."""
+    model = small_vocab_target()
+    counts = torch.tensor([5, 1, 7, 3, 9, 2, 8, 4])
+    proposer = make_proposer(name, model, sampling=SamplingConfig(temperature=1.0), seed=6, draft_vocab=(counts, 6))
+    counts_seen, exact = first_two_tokens(model, proposer, SAMPLES)
+    drafted = proposer.propose(torch.tensor([1, 5, 3, 6, 7, 4, 3, 5, 6]), proposer.tree_size)
+    assert drafted.tree.num_nodes > 2 and bool((drafted.probs[:, [1, 5]] == 0).all())
+    assert chi_square_pvalue(counts_seen, exact) > 1e-3
+
+
+def test_eagle2_draft_is_bounded_by_the_budget(monkeypatch):
+    """depth 5 / top_k 8 with 3 nodes kept: 3 levels, logits rows 1 + 2 + 1, and the same tree as expanding the
+    whole depth-5 top-8 candidate set and keeping its best 3."""
+    from runtime.proposers import eagle
+
+    model = tiny_model("llama")
+    heads = make_heads("eagle", model, seed=2)
+    prompt = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(3))
+
+    def drafted(total: int, keep: int):
+        proposer = EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=5, top_k=8, total_tokens=total))
+        target = TargetModel(model)
+        out = target.prefill(prompt, proposer.hidden_state_indices)
+        proposer.reset(prompt, out.hidden)
+        committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1)])
+        rows, captured = [], []
+        original_logits, original_select = proposer.draft_logits, eagle.select_nodes
+        monkeypatch.setattr(proposer, "draft_logits", lambda o: rows.append(o.reshape(-1, o.shape[-1]).shape[0])
+                            or original_logits(o))
+        monkeypatch.setattr(eagle, "select_nodes", lambda c, n: captured.append(c) or original_select(c, n))
+        draft = proposer.propose(committed, keep)
+        monkeypatch.setattr(eagle, "select_nodes", original_select)
+        return draft, rows, captured[0]
+
+    small, rows, _ = drafted(3, 3)
+    assert rows == [1, 2, 1] and small.tree.num_nodes == 4
+    _, full_rows, candidates = drafted(64, 64)
+    assert full_rows == [1, 8, 8, 8, 8]
+    expected = eagle.ordered_draft(candidates, eagle.select_nodes(candidates, 3))
+    assert torch.equal(small.tokens, expected.tokens) and torch.equal(small.tree.parents, expected.tree.parents)
+
+
+def test_static_tree_rows_only_for_nodes_that_get_children():
+    """A 7-node EAGLE-1 tree cut to 2 tokens: rows for the root only (its two children fill the budget)."""
+    model = tiny_model("llama")
+    proposer = make_proposer("eagle1", model, seed=1)
+    target = TargetModel(model)
+    prompt = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(4))
+    out = target.prefill(prompt, proposer.hidden_state_indices)
+    proposer.reset(prompt, out.hidden)
+    committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1)])
+    rows = []
+    original = proposer.draft_logits
+    proposer.draft_logits = lambda o: rows.append(o.reshape(-1, o.shape[-1]).shape[0]) or original(o)
+    draft = proposer.propose(committed, 2)
+    assert draft.tree.num_nodes == 3 and rows == [1]
