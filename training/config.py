@@ -65,7 +65,9 @@ class TrainConfig:
                                         "initialised from the LM head.", default=False)
     eagle3_layers: str = _help("EAGLE-3 target layers as HF hidden_states indices 'low,mid,high'; "
                                "empty = (2, L//2, L-3).", default="")
-    draft_vocab_size: int = _help("EAGLE-3 draft vocabulary size (most frequent training tokens).",
+    draft_vocab_size: int = _help("Draft vocabulary size, the most frequent assistant tokens of the training data: "
+                                  "EAGLE-3's lm_head rows; Medusa/EAGLE-1/2/MTP draft over these rows of their "
+                                  "projections (>= the vocabulary: all rows). See README 'Draft cost'.",
                                   default=32000)
     eagle_fc_bias: bool = _help("EAGLE-1/2: give fc a bias. Off by default so the head exports to vLLM (fc without "
                                 "a bias) and SGLang (an explicit zero bias is written) alike.", default=False)

@@ -348,9 +348,11 @@ def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Call
     heads = build_heads(heads_config(config, target))
     if isinstance(heads, MedusaHeads) and not heads.config.medusa_shared_lm_head:
         heads.init_from_lm_head(target_modules(target).lm_head.weight.detach().float())
-    if isinstance(heads, Eagle3Draft):
+    # EAGLE-3's lm_head rows; the other kinds draft over these rows of their full projections (heads.vocab).
+    size = heads.config.draft_vocab_size if isinstance(heads, Eagle3Draft) else config.draft_vocab_size
+    if isinstance(heads, Eagle3Draft) or 0 < size < heads.config.vocab_size:
         counts = count_tokens(assistant_tokens(), heads.config.vocab_size)
-        heads.set_vocab_mapping(*build_vocab_mapping(counts, heads.config.draft_vocab_size))
+        heads.set_vocab_mapping(*build_vocab_mapping(counts, size))
     return heads.train()
 
 
