@@ -200,9 +200,15 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except ValueError as err:
-        if "does not support" in str(err) and attn_implementation == "sdpa":
-            raise ValueError(f"--model {name_or_path}: {err}. Pass --attn_implementation eager") from err
-        raise
+        if "does not support" not in str(err) or attn_implementation != "sdpa":
+            raise
+        # no sdpa for this class (e.g. ALiBi or state-space families): load eager and say so; the runtime's
+        # verify check (runtime/verify_check.py) then decides what the model supports
+        import warnings
+
+        warnings.warn(f"--attn_implementation sdpa: {type(err).__name__} for --model {name_or_path} (no sdpa "
+                      f"attention for this model class); loaded with eager attention", stacklevel=2)
+        model = AutoModelForCausalLM.from_pretrained(path, **{**kwargs, "attn_implementation": "eager"})
     return model.to(device).eval()
 
 

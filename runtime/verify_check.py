@@ -289,9 +289,9 @@ def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: boo
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
     the chosen mode; a refused model raises TargetError naming the model class and why."""
     result = verify_check(model, use_cache)
-    print(result.line(), file=log or sys.stderr)
-    if result.mode == "refused":
+    if result.mode == "refused":  # the error line is the verdict
         name = getattr(model.config, "_name_or_path", "") or "(built in memory)"
         raise TargetError(f"{flag} {name} ({type(model).__name__}) cannot be decoded exactly by this runtime: "
                           f"{result.reason}")
+    print(result.line(), file=log or sys.stderr)
     return TargetModel(model, flag=flag, mode=result.mode)
