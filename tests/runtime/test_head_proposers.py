@@ -444,6 +444,25 @@ def test_medusa_shared_lm_head_and_shallow_tree():
         assert proposer._head_logits(2).shape == (2, 256)  # only the heads the tree reaches are computed
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "phi3"])
+def test_medusa_shared_lm_head_drafts_greedy_identically(arch):
+    """Shared-LM-head Medusa (trained residual blocks, the target's LM head; gpt2's is tied to its embedding) with
+    the default 16-node tree: output identical to plain greedy decoding; drafts are the target LM head's top
+    tokens on the blocks' output."""
+    model = tiny_model(arch)
+    heads = make_heads("medusa", model, medusa_shared_lm_head=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+    proposer = MedusaProposer(heads, model, load_tree_file(TREE16, num_heads=4))
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run_loop(model, proposer, prompt, 48)
+    assert torch.equal(tokens, reference(model, prompt, 48))
+    with torch.inference_mode():
+        expected = model.get_output_embeddings()(heads.head_hidden_states(proposer._hidden[None], 2))[:, 0]
+        torch.testing.assert_close(proposer._head_logits(2), expected.float())
+
+
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_sampling_through_the_loop(name):
     """temperature > 0 through generate(): exact length, accepted drafts (oracle heads), reproducible by seed."""
