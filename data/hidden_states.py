@@ -141,8 +141,10 @@ def forward_features(model, samples: list[list[int]], layers: list[int], dtype: 
         for row, i in enumerate(batch):
             input_ids[row, :len(samples[i])] = torch.tensor(samples[i])
             attention_mask[row, :len(samples[i])] = 1
+        # logits_to_keep=1: the LM head over every position (49k-150k rows) would cost a fifth of the forward and
+        # a [B, S, V] float tensor, and no feature needs it
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                    output_hidden_states=True, use_cache=False)
+                    output_hidden_states=True, use_cache=False, logits_to_keep=1)
         for layer in layers:
             hidden = out.hidden_states[layer]  # [B, S, H]
             for row, i in enumerate(batch):
