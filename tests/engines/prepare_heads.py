@@ -1,0 +1,174 @@
+"""Engine check, our side: heads of every kind vLLM runs, exported `--to vllm`, and what our runtime accepts.
+
+    python tests/engines/prepare_heads.py --work_dir outputs/engine_check     (run by tests/engines/check_vllm.sh)
+
+Writes `<work_dir>/plan.json` for `run_vllm.py` (which runs in vLLM's own venv and imports nothing of ours):
+the plain HF directory of the target, the prompts as token ids, and per head kind the exported directory, vLLM's
+speculative method and our runtime's greedy output and accepted-token counts per chain position, for a chain of
+`--chain` drafts per step (= vLLM's `num_speculative_tokens`). Heads are trained for `--train_steps` steps on a
+small teacher-forced GSM8K set (0 = random heads, which accept nearly nothing: a weak comparison).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+from heads.cli import parse_flags  # noqa: E402
+
+# kind -> (training --method, vLLM speculative_config method). MTP: no engine loads user-trained MTP modules.
+KINDS = {"eagle3": ("eagle3", "eagle3"), "eagle": ("eagle", "eagle"), "medusa": ("medusa", "medusa")}
+
+
+@dataclass
+class PrepareFlags:
+    work_dir: str = field(default="outputs/engine_check", metadata={"help": "Where heads, exports and plan.json go."})
+    model: str = field(default="../shared/models/smollm2-135m-instruct", metadata={"help": "Target model."})
+    prompts: str = field(default="../shared/data/mt_bench_question.jsonl",
+                         metadata={"help": "MT-Bench questions (first turns are the prompts)."})
+    train_data: str = field(default="../shared/data/gsm8k_train.jsonl", metadata={"help": "Teacher-forced data."})
+    num_prompts: int = field(default=3, metadata={"help": "Prompts per head kind."})
+    max_tokens: int = field(default=32, metadata={"help": "New tokens per prompt (vLLM max_tokens)."})
+    chain: int = field(default=3, metadata={"help": "Drafts per step: our chain length = num_speculative_tokens."})
+    train_steps: int = field(default=12, metadata={"help": "Training steps per head (0 = random heads)."})
+    kinds: str = field(default="eagle3,eagle,medusa", metadata={"help": f"Comma-separated subset of {list(KINDS)}."})
+
+
+def run(command: list[str], log: Path) -> None:
+    """Run a step of the check as a user would (a CLI in a subprocess); its output goes to `log`."""
+    with log.open("w") as out:
+        done = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}; see {log}")
+
+
+def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
+    """A small head of `kind`: a few training steps (`training/train_heads.py`), or random when train_steps=0."""
+    heads_dir = out / "heads"
+    if (heads_dir / "config.json").is_file():
+        return heads_dir
+    if flags.train_steps == 0:
+        from heads import HeadsConfig, build_heads
+        from heads.loading import load_model
+        target = load_model(flags.model)
+        options = {"medusa_num_heads": flags.chain} if kind == "medusa" else {}
+        options.update({"draft_vocab_size": 4096} if kind == "eagle3" else {})
+        heads = build_heads(HeadsConfig.for_target(kind, target, flags.model, **options))
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+        heads.save_pretrained(heads_dir)
+        return heads_dir
+    method = KINDS[kind][0]
+    command = [sys.executable, "training/train_heads.py", "--method", method, "--model", flags.model,
+               "--dataset", str(data), "--output_dir", str(out / "run"), "--heads_dir", str(heads_dir),
+               "--max_steps", str(flags.train_steps), "--per_device_batch_size", "2", "--max_length", "256",
+               "--learning_rate", "0.003", "--eval_samples", "2", "--eval_steps", "0", "--save_steps", "0",
+               "--progress_bar", "false", "--report_to", "none"]
+    if kind == "medusa":
+        command += ["--num_heads", str(flags.chain)]  # vLLM drafts one token per Medusa head
+    if kind == "eagle3":
+        command += ["--draft_vocab_size", "4096", "--ttt_steps", "3"]
+    run(command, out / "train.log")
+    return heads_dir
+
+
+def first_turns(path: str, count: int) -> list[str]:
+    with open(REPO / path if not Path(path).is_absolute() else path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row["turns"][0] for row in rows[:count]]
+
+
+def replay_steps(stats, max_tokens: int, chain: int) -> list[int]:
+    """Accepted drafts per chain position over the steps vLLM takes for `max_tokens` new tokens.
+
+    vLLM always drafts `chain` tokens and stops scheduling once `max_tokens` are out; our loop shortens the
+    last drafts to the budget. So ours runs with room to spare and only the steps that start before
+    `max_tokens` tokens are out are counted (the first token comes from the prefill).
+    """
+    accepted = [0] * chain
+    emitted = 1
+    for step in stats.steps:
+        if emitted >= max_tokens:
+            break
+        assert step.drafted_depth == chain, f"our chain drafted {step.drafted_depth}, expected {chain}"
+        for position in range(min(step.accepted_length - 1, chain)):
+            accepted[position] += 1
+        emitted += step.accepted_length
+    return accepted
+
+
+def main(argv: list[str] | None = None) -> None:
+    flags = parse_flags(PrepareFlags, argv)
+    torch.set_num_threads(1)
+    from heads.export import main as export_main
+    from heads.loading import load_model, load_tokenizer, model_path
+    from runtime.config import DecodeConfig, SpeculationConfig
+    from runtime.generate import GenerationStats, encode_prompt, generate
+    from runtime.proposers.factory import HeadsOptions, proposer_from_heads
+    from runtime.sampling import SamplingConfig
+    from runtime.target import TargetModel
+
+    work = Path(flags.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    kinds = [k for k in flags.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"--kinds: unknown {unknown}; vLLM runs {list(KINDS)} (MTP: no engine loads user MTP)")
+    data = work / "data"
+    if flags.train_steps and not (data / "manifest.json").is_file():
+        run([sys.executable, "-m", "data.distill", "--mode", "teacher_forced", "--model", flags.model,
+             "--sources", f"gsm8k={flags.train_data}:200", "--eval_fraction", "0.05", "--max_length", "256",
+             "--output_dir", str(data)], work / "data.log")
+
+    base = model_path(flags.model)  # plain HF directory (a GGUF is converted once, cached)
+    tokenizer = load_tokenizer(flags.model)
+    target = TargetModel(load_model(flags.model, dtype="float32"))
+    prompts = [encode_prompt(tokenizer, text) for text in first_turns(flags.prompts, flags.num_prompts)]
+    # Room to spare so that no step before max_tokens has a shortened chain (see replay_steps).
+    decode = DecodeConfig(max_new_tokens=flags.max_tokens + flags.chain + 1, sampling=SamplingConfig(),
+                          acceptance="greedy", speculation=SpeculationConfig(num_speculative_tokens=flags.chain))
+    plan = {"base": str(base), "prompts": [p.tolist() for p in prompts], "max_tokens": flags.max_tokens,
+            "chain": flags.chain, "train_steps": flags.train_steps, "kinds": {}}
+    for kind in kinds:
+        out = work / kind
+        heads_dir = train_heads(flags, kind, data, out)
+        exported = out / "vllm"
+        export_main(["--heads", str(heads_dir), "--to", "vllm", "--output_dir", str(exported)])
+        options = HeadsOptions(tree_size=str(flags.chain), eagle_tree="static", allow_off=False)
+        if kind == "medusa":  # a chain: the top-1 token of each head (what vLLM's Medusa drafts)
+            options = HeadsOptions(tree=str(write_chain_tree(out, flags.chain)), allow_off=False)
+        proposer = proposer_from_heads(heads_dir, target, options, seed=0, target_name=flags.model).proposer
+        outputs, accepted = [], [0] * flags.chain
+        for prompt in prompts:
+            stats = GenerationStats()
+            tokens = torch.cat(list(generate(target, proposer, prompt, decode, stats)))[: flags.max_tokens]
+            outputs.append(tokens.tolist())
+            accepted = [a + b for a, b in zip(accepted, replay_steps(stats, flags.max_tokens, flags.chain),
+                                              strict=True)]
+        plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
+                               "ours_accepted_per_pos": accepted}
+        print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
+    (work / "plan.json").write_text(json.dumps(plan, indent=1))
+    print(f"[ours] plan -> {work / 'plan.json'}")
+
+
+def write_chain_tree(out: Path, chain: int) -> Path:
+    """A static tree YAML that is a chain of `chain` top-1 drafts (configs/trees format)."""
+    path = out / f"chain{chain}.yaml"
+    path.write_text("paths:\n" + "".join(f"- {[0] * d}\n" for d in range(1, chain + 1)))
+    return path
+
+
+if __name__ == "__main__":
+    main()
