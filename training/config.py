@@ -72,6 +72,11 @@ class TrainConfig:
     eagle_fc_bias: bool = _help("EAGLE-1/2: give fc a bias. Off by default so the head exports to vLLM (fc without "
                                 "a bias) and SGLang (an explicit zero bias is written) alike.", default=False)
 
+    label_source: str = _help("Labels of Medusa-1, EAGLE and EAGLE-3 (training and held-out accuracy): 'target' = the "
+                              "target's own greedy next token after the dataset prefix (what greedy verification "
+                              "accepts; equal to the dataset token on greedy self-distilled answers, and what makes "
+                              "teacher-forced text teach the target's behaviour), 'data' = the dataset tokens. "
+                              "Medusa-2 and MTP always use the dataset tokens.", default="target")
     init_heads: str | None = _help("Start from this saved heads directory (checked against the target) "
                                    "instead of fresh heads.", default=None)
 
@@ -166,6 +171,7 @@ class TrainConfig:
         _check(0 < self.head_decay <= 1, "--head_decay", "a value in (0, 1]", self.head_decay)
         _check(self.learning_rate > 0, "--learning_rate", "> 0", self.learning_rate)
         _check(self.feature_noise >= 0, "--feature_noise", ">= 0", self.feature_noise)
+        _check(self.label_source in ("target", "data"), "--label_source", "target or data", self.label_source)
         _check(self.max_train_tokens >= 0, "--max_train_tokens", "an integer >= 0", self.max_train_tokens)
         _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)

@@ -22,16 +22,18 @@ from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
-from heads.vocab import build_vocab_mapping, count_tokens, draft_to_target_ids
+from heads.vocab import build_vocab_mapping, count_tokens, draft_target_ids, draft_to_target_ids
 from training.config import TrainConfig, eagle3_layers
 from training.losses import (
     DepthStats,
+    DepthTargets,
     LossOutput,
     depth_cross_entropy,
     depth_targets,
     depth_weights,
     eagle3_step_loss,
     eagle_step_loss,
+    feature_regression,
     lm_cross_entropy,
     lm_distillation,
     shift_left,
@@ -58,6 +60,20 @@ def target_hidden_states(target: nn.Module, batch: dict[str, Any], layers: list[
 def apply_head(module: nn.Module, x: Tensor) -> Tensor:
     """Run a frozen target module (LM head) on x cast to its weight dtype. [..., H] -> [..., V]."""
     return module(x.to(module.weight.dtype))
+
+
+def target_greedy_labels(targets: DepthTargets, config: TrainConfig, greedy: Callable[[int], Tensor]
+                         ) -> DepthTargets:
+    """With --label_source target, the labels become the target's own greedy tokens: greedy(d) -> [N] argmax
+    of the target's logits for token t+2+d (its LM head on hs[-1] at t+1+d, after the dataset prefix). That is
+    what greedy verification accepts, so accuracies measure acceptance whatever wrote the answers (teacher-forced
+    text or the target itself; on greedy self-distilled answers the two agree). --label_source data keeps the
+    dataset tokens."""
+    if config.label_source != "target":
+        return targets
+    with torch.no_grad():
+        labels = torch.stack([greedy(depth) for depth in range(targets.labels.shape[0])])
+    return DepthTargets(targets.positions, labels, targets.masks)
 
 
 class ShiftedRows:
@@ -140,12 +156,18 @@ class MedusaTraining(nn.Module):
         self.last_layer = target.config.get_text_config().num_hidden_layers
         self.feature_layers = [self.last_layer]
         self.decay, self.top_k = config.head_decay, config.eval_top_k
+        self.config = config
         self._lm_head_rows = medusa_lm_head_rows(heads, target)
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         (hidden,) = target_hidden_states(self._target.model, batch, [self.last_layer])
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        if self.config.label_source == "target":
+            lm_head = self._target.modules.lm_head
+            greedy = ShiftedRows(hidden, targets.positions, self.heads.num_heads,
+                                 lambda x: apply_head(lm_head, x).argmax(-1))  # the target's token t+2+h
+            targets = target_greedy_labels(targets, self.config, greedy.rows)
         selected = hidden[targets.positions].to(self.heads.dtype)  # [N, H]
         logits = self.heads.compute_logits(selected, self._lm_head_rows)  # [K, N, V]
         return depth_cross_entropy(list(logits), targets, self.decay, self.top_k)
@@ -199,6 +221,15 @@ class EagleTraining(nn.Module):
     def heads(self) -> HeadsModule:
         return self.draft
 
+    def draft_vocab(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(LM-head rows of the draft vocabulary [Vd, H], their target ids [Vd], t2d [V]) when the heads have a
+        reduced draft vocabulary (--draft_vocab_size), else None. The soft CE then runs over those rows, as the
+        runtime drafts over them (and as EAGLE-3 trains): a sixth of the LM-head cost at 8,192 of 49,152."""
+        if not self.draft.has_draft_vocab or self._target.modules.lm_head.bias is not None:
+            return None
+        ids = draft_target_ids(self.draft.d2t)
+        return self._target.modules.lm_head.weight.detach()[ids], ids, self.draft.t2d
+
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
@@ -214,13 +245,22 @@ class EagleTraining(nn.Module):
         with torch.no_grad():
             wanted_logits = ShiftedRows(target_hidden, targets.positions, steps,
                                         lambda x: apply_head(frozen.lm_head, x))
+        targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
+        vocab = self.draft_vocab()
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
         for step, predicted in enumerate(outputs):
             predicted = predicted[targets.positions]  # [N, H]
-            feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted),
-                                                   wanted.rows(step), wanted_logits.rows(step),
-                                                   targets.labels[step], targets.masks[step], config.eval_top_k)
+            if vocab is None:
+                feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted),
+                                                       wanted.rows(step), wanted_logits.rows(step),
+                                                       targets.labels[step], targets.masks[step], config.eval_top_k)
+            else:
+                rows, ids, in_draft = vocab
+                feature = feature_regression(predicted, wanted.rows(step), targets.masks[step])
+                token, hits = eagle3_step_loss(predicted.to(rows.dtype) @ rows.T, wanted_logits.rows(step),
+                                               targets.labels[step], targets.masks[step], ids, in_draft,
+                                               config.eval_top_k)
             step_loss = config.feature_loss_weight * feature + config.token_loss_weight * token
             total = total + step_loss
             stats.append((step_loss, *hits))
@@ -255,6 +295,7 @@ class Eagle3Training(nn.Module):
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
         with torch.no_grad():
             target_logits = ShiftedRows(last, targets.positions, steps, lambda x: apply_head(frozen.lm_head, x))
+        targets = target_greedy_labels(targets, config, lambda d: target_logits.rows(d).argmax(-1))
         total = first.new_zeros((), dtype=torch.float32)
         stats = []
         for step, (predicted, weight) in enumerate(zip(outputs, depth_weights(steps, config.head_decay),

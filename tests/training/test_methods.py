@@ -54,3 +54,30 @@ def test_shared_medusa_trains_and_saves_blocks_only(main, train_args, tmp_path, 
     assert any(bool(t.ne(0).any()) for t in saved.values())  # trained away from the zero (identity) start
     with pytest.raises(ValueError, match="medusa_shared_lm_head is True there"):
         main(train_args(method, tmp_path / "again", init_heads=out / "heads", **extra))
+
+
+def test_target_labels_are_the_targets_own_greedy_tokens(stories_dataset):
+    """--label_source target: depth d's label at position t is argmax of the target's logits at t+1+d."""
+    import datasets
+
+    from heads.loading import load_model
+    from tests.tiny_models import STORIES260K
+    from training.config import TrainConfig
+    from training.losses import depth_targets
+    from training.methods import ShiftedRows, apply_head, target_greedy_labels
+
+    target = load_model(str(STORIES260K))
+    row = datasets.load_from_disk(str(stories_dataset))[0]
+    input_ids = torch.tensor([row["input_ids"]])
+    loss_mask = torch.tensor([row["loss_mask"]])
+    with torch.no_grad():
+        out = target(input_ids=input_ids, output_hidden_states=True)
+    targets = depth_targets(input_ids, loss_mask, 3)
+    greedy = ShiftedRows(out.hidden_states[-1], targets.positions, 3, lambda x: apply_head(target.lm_head, x).argmax(-1))
+    labelled = target_greedy_labels(targets, TrainConfig(label_source="target"), greedy.rows)
+    positions = targets.positions[0].nonzero()[:, 0]
+    argmax = out.logits[0].argmax(-1)  # [T]: the target's token after each prefix
+    for depth in range(3):
+        counted = targets.masks[depth]
+        assert torch.equal(labelled.labels[depth][counted], argmax[positions + 1 + depth][counted])
+    assert target_greedy_labels(targets, TrainConfig(label_source="data"), greedy.rows) is targets
