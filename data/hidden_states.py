@@ -215,7 +215,7 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
         print(f"{output_dir}: already complete ({INDEX} present); nothing to do")
         return json.loads(index_path.read_text())
 
-    mine = [s for s in todo if s % state.num_processes == state.process_index]
+    mine = todo[state.process_index::state.num_processes]  # the shards still to do, dealt out evenly
     progress = tqdm(total=sum(min(config.shard_size, len(all_ids) - s * config.shard_size) for s in mine),
                     unit="sample", desc=f"hidden_states[{state.process_index}]",
                     disable=not state.is_local_main_process, file=sys.stderr)
