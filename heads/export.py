@@ -5,7 +5,7 @@
 | kind   | tgi                   | vllm                                   | sglang                           | eagle      |
 |--------|-----------------------|----------------------------------------|----------------------------------|------------|
 | medusa | native (FasterDecoding)| renamed: blocks.{h}.layers.{l}, lm_heads.{h} | -                           | -          |
-| eagle  | -                     | native names, fc without bias          | LlamaForCausalLMEagle, fc.bias   | native     |
+| eagle  | -                     | native names, fc without bias          | LlamaForCausalLMEagle, fc.bias   | + fc.bias  |
 | eagle3 | -                     | native                                 | native                           | native     |
 
 Medusa heads that share the target's LM head have no projection of their own. TGI loads them as they are with

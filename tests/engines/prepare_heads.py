@@ -39,7 +39,7 @@ class PrepareFlags:
     num_prompts: int = field(default=3, metadata={"help": "Prompts per head kind."})
     max_tokens: int = field(default=32, metadata={"help": "New tokens per prompt (vLLM max_tokens)."})
     chain: int = field(default=3, metadata={"help": "Drafts per step: our chain length = num_speculative_tokens."})
-    train_steps: int = field(default=12, metadata={"help": "Training steps per head (0 = random heads)."})
+    train_steps: int = field(default=10, metadata={"help": "Training steps per head (0 = random heads)."})
     kinds: str = field(default="eagle3,eagle,medusa", metadata={"help": f"Comma-separated subset of {list(KINDS)}."})
 
 
@@ -56,6 +56,7 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
     heads_dir = out / "heads"
     if (heads_dir / "config.json").is_file():
         return heads_dir
+    out.mkdir(parents=True, exist_ok=True)
     if flags.train_steps == 0:
         from heads import HeadsConfig, build_heads
         from heads.loading import load_model
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                                               strict=True)]
         plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
                                "ours_accepted_per_pos": accepted}
+        if kind == "eagle":  # the SGLang export (fc.bias shipped) must be refused by vLLM, not silently misloaded
+            export_main(["--heads", str(heads_dir), "--to", "sglang", "--output_dir", str(out / "sglang")])
+            plan["kinds"][kind]["wrong_engine_export"] = str(out / "sglang")
         print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
     print(f"[ours] plan -> {work / 'plan.json'}")

