@@ -125,14 +125,15 @@ def depth_cross_entropy(depth_logits: list[Tensor], targets: DepthTargets, decay
                         ) -> LossOutput:
     """Medusa heads and MTP depths: CE of depth d's logits against token t+2+d, weighted decay**d.
 
-    depth_logits: D tensors [N, V], the logits of depth d at `targets.positions`.
+    depth_logits: D tensors [N, V], the logits of depth d at `targets.positions`. A label -1 (a token outside a
+    reduced draft vocabulary, see `to_draft_targets`) is left out of the loss and counts as a miss.
     """
     total = depth_logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     for depth, (logits, weight) in enumerate(zip(depth_logits, depth_weights(len(depth_logits), decay),
                                                  strict=True)):
         labels, mask = targets.labels[depth], targets.masks[depth]
-        loss = token_cross_entropy(logits, labels, mask)
+        loss = token_cross_entropy(logits, labels.clamp(min=0), mask & (labels >= 0))
         total = total + weight * loss
         stats.append((loss, *topk_hits(logits, labels, mask, top_k), mask.sum()))
     return LossOutput(total, DepthStats.stack(stats), {})

@@ -22,7 +22,13 @@ from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
-from heads.vocab import build_vocab_mapping, count_tokens, draft_target_ids, draft_to_target_ids
+from heads.vocab import (
+    build_vocab_mapping,
+    count_tokens,
+    draft_target_ids,
+    draft_to_target_ids,
+    target_to_draft_ids,
+)
 from training.config import TrainConfig, eagle3_layers
 from training.losses import (
     DepthStats,
@@ -169,7 +175,13 @@ class MedusaTraining(nn.Module):
                                  lambda x: apply_head(lm_head, x).argmax(-1))  # the target's token t+2+h
             targets = target_greedy_labels(targets, self.config, greedy.rows)
         selected = hidden[targets.positions].to(self.heads.dtype)  # [N, H]
-        logits = self.heads.compute_logits(selected, self._lm_head_rows)  # [K, N, V]
+        rows = self._lm_head_rows
+        if rows is not None and self.heads.has_draft_vocab:  # shared heads: CE over the draft vocabulary's rows
+            ids = draft_target_ids(self.heads.d2t)
+            rows = rows[ids]  # [Vd, H]: a sixth of the LM-head cost at 8,192 of 49,152
+            targets = DepthTargets(targets.positions, target_to_draft_ids(targets.labels, self.heads.d2t,
+                                                                          self.heads.t2d), targets.masks)
+        logits = self.heads.compute_logits(selected, rows)  # [K, N, V or Vd]
         return depth_cross_entropy(list(logits), targets, self.decay, self.top_k)
 
 

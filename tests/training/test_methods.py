@@ -81,3 +81,15 @@ def test_target_labels_are_the_targets_own_greedy_tokens(stories_dataset):
         counted = targets.masks[depth]
         assert torch.equal(labelled.labels[depth][counted], argmax[positions + 1 + depth][counted])
     assert target_greedy_labels(targets, TrainConfig(label_source="data"), greedy.rows) is targets
+
+
+def test_shared_medusa_with_a_draft_vocabulary_counts_outside_tokens_as_misses(reset_accelerate, train_args, tmp_path):
+    """CE over the draft vocabulary's rows only; held-out counts are the same as with the full vocabulary."""
+    from training.train_heads import main
+
+    small = main(train_args("medusa", tmp_path / "small", max_steps=2, medusa_shared_lm_head="true",
+                            draft_vocab_size=16))
+    full = main(train_args("medusa", tmp_path / "full", max_steps=2, medusa_shared_lm_head="true",
+                           draft_vocab_size=10**6))
+    assert small["eval/tokens"] == full["eval/tokens"] > 0
+    assert 0 <= small["eval/top5_d0"] <= 1 and small["eval/loss_d0"] > 0
