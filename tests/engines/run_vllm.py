@@ -74,8 +74,10 @@ def main(plan_path: str) -> int:
             try:
                 run_engine(plan["base"], prompts[:1], 4, config)
             except Exception as err:  # noqa: BLE001 - the refusal is the expected outcome
-                lines.append(f"{kind} --to sglang export given to vLLM: refused ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:200]})")
+                text = str(err).splitlines()
+                reason = next((line for line in text if "Value error" in line), text[0] if text else "")
+                reason = reason.split(". Supported architectures")[0].strip()
+                lines.append(f"{kind} --to sglang export given to vLLM: refused ({type(err).__name__}: {reason[:200]})")
             else:
                 failed = True
                 lines.append(f"{kind} --to sglang export given to vLLM: LOADED (silent misload)")
