@@ -123,6 +123,9 @@ class TrainConfig:
                               "python -m data.distill); then every --dataset row trains and evaluation runs the "
                               "target online on this one. Empty = hold out --eval_samples rows of --dataset.",
                               default="")
+    eval_features: str | None = _help("Hidden-state shards of --eval_dataset (python -m data.hidden_states) so "
+                                      "evaluation reads features instead of running the target; unset = online.",
+                                      default=None)
     max_train_tokens: int = _help("Train on a seeded random subset of the training rows holding at least this many "
                                   "assistant (loss-mask) tokens; 0 = all rows. For data-scaling runs.", default=0)
     warmup_ratio: float = _help("Warmup steps as a share of all optimizer steps (the larger of this and "
@@ -178,6 +181,8 @@ class TrainConfig:
         if self.method == "medusa2" and self.features:
             raise ValueError("--features: medusa2 trains LoRA on the target, so it needs the online target "
                              "forward; drop --features")
+        if self.eval_features and not self.eval_dataset:
+            raise ValueError("--eval_features: shards of --eval_dataset; set --eval_dataset too")
         if self.eagle3_layers:
             eagle3_layers(self)  # validates the format
 

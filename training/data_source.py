@@ -127,27 +127,32 @@ class OfflineFeatures:
         return {feature_name(layer): tensor for layer, tensor in self.shards[row].items()}
 
 
-def offline_features(config: TrainConfig, num_rows: int) -> OfflineFeatures:
-    """Open --features and check it was computed by --model on --dataset (all rows)."""
+def offline_features(config: TrainConfig, num_rows: int, held_out: bool = False) -> OfflineFeatures:
+    """Open --features (--eval_features when held_out) and check it was computed by --model on --dataset
+    (--eval_dataset), all rows."""
     from data.hidden_states import HiddenStateShards
 
-    shards = HiddenStateShards(config.features)
+    flag, dataset_flag = ("--eval_features", "--eval_dataset") if held_out else ("--features", "--dataset")
+    directory, dataset = (config.eval_features, config.eval_dataset) if held_out else (config.features, config.dataset)
+    shards = HiddenStateShards(directory)
     index = shards.index
-    if Path(index["dataset"]).resolve() != Path(config.dataset).resolve() or len(shards) != num_rows:
-        raise ValueError(f"--features {config.features} holds {len(shards)} samples of {index['dataset']!r}, "
-                         f"not the {num_rows} rows of --dataset {config.dataset}")
+    if Path(index["dataset"]).resolve() != Path(dataset).resolve() or len(shards) != num_rows:
+        raise ValueError(f"{flag} {directory} holds {len(shards)} samples of {index['dataset']!r}, "
+                         f"not the {num_rows} rows of {dataset_flag} {dataset}")
     if not same_model(index["model"], None, config.model):
-        raise ValueError(f"--features {config.features} were computed by {index['model']!r}, not by --model "
+        raise ValueError(f"{flag} {directory} were computed by {index['model']!r}, not by --model "
                          f"{config.model!r}")
     return OfflineFeatures(shards)
 
 
-def check_feature_layers(features: OfflineFeatures | None, needed: list[int], config: TrainConfig) -> None:
+def check_feature_layers(features: OfflineFeatures | None, needed: list[int], config: TrainConfig,
+                         flag: str = "--features") -> None:
     """The shards must hold every hidden_states index the method reads."""
     if features is None:
         return
     missing = sorted(set(needed) - set(features.layers))
     if missing:
-        raise ValueError(f"--features {config.features} holds layers {features.layers}; --method {config.method} "
+        directory = config.eval_features if flag == "--eval_features" else config.features
+        raise ValueError(f"{flag} {directory} holds layers {features.layers}; --method {config.method} "
                          f"needs {sorted(set(needed))}: rerun python -m data.hidden_states with --layers "
                          f"{','.join(str(i) for i in sorted(set(needed)))}")

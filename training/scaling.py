@@ -2,10 +2,11 @@
 
     python -m training.scaling --config configs/scaling_smollm2.yaml
 
-For every method and every size N (assistant tokens), `training/train_heads.py` runs with the method's recipe,
+For every method and every size N (assistant tokens; `--max_tokens` caps the sizes per method), `training/train_heads.py` runs with the method's recipe,
 `--max_train_tokens N` (nested seeded subsets: the rows of a smaller size are among those of every larger one),
 the same epochs for every size (so optimizer steps grow with the tokens: one steps-per-token rule) and the same
-`--eval_dataset`. Each run lives in `<output_dir>/<method>_<N>`; a run whose final metrics are on disk is not
+`--eval_dataset`. `--jobs J` trains J runs at once (one process and thread each), smallest sizes first. Each run
+lives in `<output_dir>/<method>_<N>` (its output in `<method>_<N>.log`); a run whose final metrics are on disk is not
 run again (kill and rerun to resume). After every run the results JSON is rewritten atomically; at the end a PNG
 shows held-out tau and per-depth top-1 against the data size.
 """
@@ -16,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +36,13 @@ class ScalingConfig:
     dataset: str = _help("Training dataset (python -m data.distill, either mode).", "")
     features: str | None = _help("Hidden-state shards of --dataset (python -m data.hidden_states); unset = online.")
     eval_dataset: str = _help("Held-out dataset every run is evaluated on (the target's own answers).", "")
+    eval_features: str | None = _help("Hidden-state shards of --eval_dataset; unset = evaluation runs the target.")
     methods: str = _help("Comma-separated methods, each trained with its recipe (see --recipes).", "eagle,eagle3,medusa")
     recipes: str = _help("Recipe per method: a pattern with {method}.", "configs/{method}_smollm2.yaml")
     token_sizes: str = _help("Comma-separated training sizes in assistant tokens, increasing.", "10000,30000,100000")
+    max_tokens: str = _help("Per-method cap on the sizes, e.g. 'eagle3=80000,medusa=80000' (larger sizes are not run "
+                            "for that method); empty = every size for every method.", "")
+    jobs: int = _help("Training runs at once (each one process, one thread); runs start smallest size first.", 1)
     num_epochs: float = _help("Epochs over each subset (the same for every size).", 1.0)
     eval_samples: int = _help("Held-out rows evaluated per run.", 80)
     eval_top_k: int = _help("k of the top-k accuracy.", 3)
@@ -52,11 +58,28 @@ class ScalingConfig:
         sizes = self.sizes()
         if not sizes or any(n < 1 for n in sizes) or sizes != sorted(sizes):
             raise ValueError(f"--token_sizes: expected increasing positive integers, got {self.token_sizes!r}")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs: expected >= 1, got {self.jobs}")
+        self.caps()
         if "{method}" not in self.recipes:
             raise ValueError(f"--recipes: expected a pattern containing {{method}}, got {self.recipes!r}")
         for method in self.method_list():
             if not Path(self.recipes.format(method=method)).is_file():
                 raise FileNotFoundError(f"--recipes: no recipe {self.recipes.format(method=method)} for method {method}")
+
+    def caps(self) -> dict[str, int]:
+        caps = {}
+        for item in filter(None, (x.strip() for x in self.max_tokens.split(","))):
+            method, _, value = item.partition("=")
+            if method not in self.method_list() or not value.isdigit():
+                raise ValueError(f"--max_tokens: expected METHOD=TOKENS for methods {self.method_list()}, got {item!r}")
+            caps[method] = int(value)
+        return caps
+
+    def runs(self) -> list[tuple[str, int]]:
+        """(method, size) in the order they start: smallest size first."""
+        caps = self.caps()
+        return [(m, n) for n in self.sizes() for m in self.method_list() if n <= caps.get(m, n)]
 
     def sizes(self) -> list[int]:
         try:
@@ -105,6 +128,8 @@ def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) 
                "--heads_dir", str(run_dir / "heads"), "--progress_bar", "false", "--resume_from", "none"]
     if config.features:
         command += ["--features", config.features]
+    if config.eval_features:
+        command += ["--eval_features", config.eval_features]
     return command + config.extra_flags.split()
 
 
@@ -143,26 +168,37 @@ def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
+    """Train (unless finished on disk) and summarise one (method, size) run."""
+    run_dir = Path(config.output_dir) / f"{method}_{size}"
+    record = final_record(run_dir)
+    if record is None:
+        print(f"[scaling] {method}, {size} assistant tokens -> {run_dir}", flush=True)
+        started = time.perf_counter()
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:  # the run's own output, beside it
+            subprocess.run(train_command(config, method, size, run_dir), check=True, stdout=log,
+                           stderr=subprocess.STDOUT)
+        record = final_record(run_dir)
+        if record is None:
+            raise ValueError(f"{run_dir}: training finished without final metrics")
+        print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
+    row = summarise(method, size, record, config.eval_top_k)
+    print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
+          f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_flags(ScalingConfig, argv)
-    runs: list[dict[str, Any]] = []
-    for size in config.sizes():
-        for method in config.method_list():
-            run_dir = Path(config.output_dir) / f"{method}_{size}"
-            record = final_record(run_dir)
-            if record is None:
-                print(f"[scaling] {method}, {size} assistant tokens -> {run_dir}", flush=True)
-                started = time.perf_counter()
-                subprocess.run(train_command(config, method, size, run_dir), check=True)
-                record = final_record(run_dir)
-                if record is None:
-                    raise ValueError(f"{run_dir}: training finished without final metrics")
-                print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
-            runs.append(summarise(method, size, record, config.eval_top_k))
-            write_results(config, runs)
-            row = runs[-1]
-            print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
-                  f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
+    order = config.runs()
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    with ThreadPoolExecutor(max_workers=config.jobs) as pool:
+        futures = {pool.submit(run_one, config, method, size): (method, size) for method, size in order}
+        for future, key in futures.items():
+            done[key] = future.result()
+            write_results(config, [done[k] for k in order if k in done])
+    runs = [done[k] for k in order]
     if config.plot:
         plot(config, runs)
     return runs

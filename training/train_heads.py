@@ -47,6 +47,7 @@ from training.data_source import (
     check_feature_layers,
     load_eval_rows,
     load_training_data,
+    offline_features,
 )
 from training.evaluation import depth_metrics, per_depth
 from training.loop import (
@@ -91,11 +92,14 @@ def held_out(config: TrainConfig, data: TrainingData, counts: list[int]) -> tupl
     """(training rows of --dataset, the held-out data, its evaluated rows).
 
     Without --eval_dataset, --eval_samples seeded rows of --dataset are held out; with it, every --dataset row
-    may train and the first --eval_samples rows of --eval_dataset are evaluated (target online). Then
+    may train and the first --eval_samples rows of --eval_dataset are evaluated (target online, or from
+    --eval_features). Then
     --max_train_tokens keeps a seeded subset of the training rows (counts[i]: assistant tokens of row i).
     """
     if config.eval_dataset:
-        eval_data = TrainingData(load_eval_rows(config), None, data.pad_token_id)
+        rows = load_eval_rows(config)
+        features = offline_features(config, len(rows), held_out=True) if config.eval_features else None
+        eval_data = TrainingData(rows, features, data.pad_token_id)
         train_rows = list(range(len(data.rows)))
         eval_rows = list(range(min(config.eval_samples, len(eval_data.rows))))
     else:
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_data, eval_rows)
     module = build_training_module(config, target, lambda: data.assistant_tokens(train_rows))
     check_feature_layers(data.features, module.feature_layers, config)
+    if eval_data is not data:
+        check_feature_layers(eval_data.features, module.feature_layers, config, flag="--eval_features")
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)

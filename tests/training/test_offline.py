@@ -55,3 +55,16 @@ def test_features_missing_a_layer_are_refused(stories_dataset, tmp_path, train_a
                    "--layers=-1", "--dtype", "float32"])
     with pytest.raises(ValueError, match="needs \\[1, 2, 4, 5\\]"):
         main(train_args("eagle3", tmp_path / "run", features=only_last))
+
+
+def test_held_out_features_give_the_same_evaluation_as_the_online_target(features_dir, stories_dataset, train_args,
+                                                                          tmp_path, reset_accelerate):
+    """--eval_features (shards of --eval_dataset) == evaluating with the target online."""
+    from training.train_heads import main
+
+    common = {"max_steps": 1, "eval_dataset": str(stories_dataset), "eval_samples": 6, "seed": 3}
+    online = main(train_args("eagle", tmp_path / "online", **common))
+    offline = main(train_args("eagle", tmp_path / "offline", eval_features=str(features_dir), **common))
+    for key in ("eval/top1_d0", "eval/top1_d1", "eval/tokens"):
+        assert online[key] == pytest.approx(offline[key], abs=1e-6), key
+    assert online["eval/loss_d0"] == pytest.approx(offline["eval/loss_d0"], rel=1e-3)
