@@ -20,7 +20,7 @@ def test_push_to_hub_uploads_the_heads_directory(main, train_args, tmp_path, mon
     monkeypatch.setattr(entry, "push_directory", lambda directory, repo_id, private: pushed.append(
         (directory, repo_id, private, sorted(p.name for p in directory.iterdir()))) or "https://hub/commit")
     final = main(train_args("mtp", tmp_path / "run", max_steps=2, push_to_hub="me/mtp-heads", hub_private="true"))
-    assert pushed == [(tmp_path / "run" / "heads", "me/mtp-heads", True, ["README.md", "config.json", "model.safetensors"])]
+    assert pushed == [(tmp_path / "run" / "heads", "me/mtp-heads", True, ["README.md", "config.json", "draft_vocab.safetensors", "model.safetensors"])]
     assert final["peak_rss_mb"] > 0 and final["train/samples_per_second"] > 0
 
 
