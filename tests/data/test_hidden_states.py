@@ -113,3 +113,18 @@ def test_bad_inputs(distilled, tmp_path):
         run(config(distilled, tmp_path / "feat", model=str(SMOLLM2)))
     with pytest.raises(FileNotFoundError, match="no index.json"):
         HiddenStateShards(tmp_path)
+
+
+def test_bf16_shards_load_back_exactly_what_was_written(distilled, tmp_path):
+    """Storage dtype bf16 (the default): each stored value is the fp32 feature rounded to bf16, bit for bit."""
+    run(config(distilled, tmp_path / "feat", dtype="bfloat16", model_dtype="float32"))
+    features = HiddenStateShards(tmp_path / "feat")
+    assert features.dtype == torch.bfloat16
+    model = stories260k()
+    data = datasets.load_from_disk(str(distilled))
+    for i, ids in enumerate(data["input_ids"]):
+        with torch.no_grad():
+            expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for layer, tensor in features[i].items():
+            assert tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor, expected[layer][0].to(torch.bfloat16))
