@@ -168,6 +168,18 @@ def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def markdown_table(runs: list[dict[str, Any]], top_k: int) -> str:
+    """The results as a Markdown table (one row per run), as printed at the end."""
+    lines = [f"| method | training assistant tokens | steps | held-out top-1 per depth | top-{top_k} per depth | "
+             "expected tau | train s |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        top1 = " ".join(f"{v:.3f}".lstrip("0") for v in r["top1_per_depth"])
+        topk = " ".join(f"{v:.3f}".lstrip("0") for v in r[f"top{top_k}_per_depth"])
+        lines.append(f"| {r['method']} | {r['train_tokens']:,} | {r['steps']} | {top1} | {topk} | "
+                     f"{r['expected_tau']:.3f} | {r['train_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
 def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
     """Train (unless finished on disk) and summarise one (method, size) run."""
     run_dir = Path(config.output_dir) / f"{method}_{size}"
@@ -201,6 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = [done[k] for k in order]
     if config.plot:
         plot(config, runs)
+    print(markdown_table(runs, config.eval_top_k), flush=True)
     return runs
 
 
