@@ -80,6 +80,8 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
         command += ["--num_heads", str(flags.chain)]  # vLLM drafts one token per Medusa head
     if kind == "eagle3":
         command += ["--draft_vocab_size", "4096", "--ttt_steps", "3"]
+    else:  # vLLM drafts EAGLE-1 / Medusa over the full vocabulary: no reduced draft vocabulary on our side either
+        command += ["--draft_vocab_size", str(10**9)]
     run(command, out / "train.log")
     return heads_dir
 
