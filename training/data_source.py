@@ -79,37 +79,28 @@ def assistant_token_counts(rows: Any) -> list[int]:
     return [sum(mask) for mask in rows["loss_mask"]]
 
 
-def load_eval_rows(config: TrainConfig) -> Any:
-    """The --eval_dataset rows (checked against --model like --dataset); evaluated with the target online."""
+def load_rows(config: TrainConfig, held_out: bool = False) -> Any:
+    """The rows of --dataset (--eval_dataset when held_out), its manifest checked against --model."""
     import dataclasses
 
     import datasets
 
-    path = Path(config.eval_dataset)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--eval_dataset {config.eval_dataset!r}: no such directory (expected a dataset "
-                                "written by python -m data.distill)")
-    check_manifest(dataclasses.replace(config, dataset=config.eval_dataset))
+    flag, dataset = ("--eval_dataset", config.eval_dataset) if held_out else ("--dataset", config.dataset)
+    path = Path(dataset)
+    if not dataset or not path.is_dir():
+        raise FileNotFoundError(f"{flag} {dataset!r}: no such directory (expected a distilled dataset written by "
+                                "python -m data.distill)")
+    check_manifest(dataclasses.replace(config, dataset=dataset) if held_out else config)
     rows = datasets.load_from_disk(str(path))
     missing = {"input_ids", "loss_mask"} - set(rows.column_names)
     if missing:
-        raise ValueError(f"--eval_dataset {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
+        raise ValueError(f"{flag} {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
     return rows
 
 
 def load_training_data(config: TrainConfig, target: nn.Module) -> TrainingData:
     """Load --dataset (checking its manifest against --model) and, with --features, the shard reader."""
-    import datasets
-
-    path = Path(config.dataset)
-    if not config.dataset or not path.is_dir():
-        raise FileNotFoundError(f"--dataset {config.dataset!r}: no such directory (expected a distilled dataset "
-                                "written by python -m data.distill)")
-    check_manifest(config)
-    rows = datasets.load_from_disk(str(path))
-    missing = {"input_ids", "loss_mask"} - set(rows.column_names)
-    if missing:
-        raise ValueError(f"--dataset {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
+    rows = load_rows(config)
     features = offline_features(config, len(rows)) if config.features else None
     return TrainingData(rows, features, pad_token_id(target))
 

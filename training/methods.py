@@ -145,8 +145,11 @@ class _FrozenTarget:
 
 
 def medusa_lm_head_rows(heads: MedusaHeads, target: nn.Module) -> Tensor | None:
-    """The frozen target LM head weight [V, H] shared heads project onto; None for heads with projections."""
-    return shared_lm_head_rows(target_modules(target).lm_head) if heads.config.medusa_shared_lm_head else None
+    """The frozen target LM head weight [V, H] shared heads project onto, as a plain tensor (so it is not registered
+    as a parameter of the training module: neither trained nor checkpointed); None for heads with projections."""
+    if not heads.config.medusa_shared_lm_head:
+        return None
+    return shared_lm_head_rows(target_modules(target).lm_head).detach()
 
 
 class MedusaTraining(nn.Module):
@@ -164,6 +167,9 @@ class MedusaTraining(nn.Module):
         self.decay, self.top_k = config.head_decay, config.eval_top_k
         self.config = config
         self._lm_head_rows = medusa_lm_head_rows(heads, target)
+        self._draft_vocab = heads.has_draft_vocab and self._lm_head_rows is not None
+        if self._draft_vocab:  # shared heads: CE over the draft vocabulary's rows, gathered once
+            self._lm_head_rows = self._lm_head_rows[draft_target_ids(heads.d2t)]  # [Vd, H]: a sixth at 8,192 of 49,152
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
@@ -175,13 +181,10 @@ class MedusaTraining(nn.Module):
                                  lambda x: apply_head(lm_head, x).argmax(-1))  # the target's token t+2+h
             targets = target_greedy_labels(targets, self.config, greedy.rows)
         selected = hidden[targets.positions].to(self.heads.dtype)  # [N, H]
-        rows = self._lm_head_rows
-        if rows is not None and self.heads.has_draft_vocab:  # shared heads: CE over the draft vocabulary's rows
-            ids = draft_target_ids(self.heads.d2t)
-            rows = rows[ids]  # [Vd, H]: a sixth of the LM-head cost at 8,192 of 49,152
+        if self._draft_vocab:
             targets = DepthTargets(targets.positions, target_to_draft_ids(targets.labels, self.heads.d2t,
                                                                           self.heads.t2d), targets.masks)
-        logits = self.heads.compute_logits(selected, rows)  # [K, N, V or Vd]
+        logits = self.heads.compute_logits(selected, self._lm_head_rows)  # [K, N, V or Vd]
         return depth_cross_entropy(list(logits), targets, self.decay, self.top_k)
 
 
@@ -218,6 +221,16 @@ class Medusa2Training(nn.Module):
         return LossOutput(total, heads.depth, extra)
 
 
+def eagle_draft_vocab(draft: EagleDraft, lm_head: nn.Module) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(LM-head rows of the draft vocabulary [Vd, H], their target ids [Vd], t2d [V]) when the heads have a
+    reduced draft vocabulary (--draft_vocab_size), else None. The soft CE then runs over those rows, as the
+    runtime drafts over them (and as EAGLE-3 trains): a sixth of the LM-head cost at 8,192 of 49,152."""
+    if not draft.has_draft_vocab or lm_head.bias is not None:
+        return None
+    ids = draft_target_ids(draft.d2t)
+    return lm_head.weight.detach()[ids], ids, draft.t2d
+
+
 class EagleTraining(nn.Module):
     """EAGLE-1/2: smooth-L1 regression of f_{t+1} + soft CE through the frozen LM head; noisy input features."""
 
@@ -228,19 +241,12 @@ class EagleTraining(nn.Module):
         self.last_layer = target.config.get_text_config().num_hidden_layers
         self.feature_layers = [self.last_layer]
         self.config = config
+        self._draft_vocab = eagle_draft_vocab(draft, self._target.modules.lm_head)
 
     @property
     def heads(self) -> HeadsModule:
         return self.draft
 
-    def draft_vocab(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(LM-head rows of the draft vocabulary [Vd, H], their target ids [Vd], t2d [V]) when the heads have a
-        reduced draft vocabulary (--draft_vocab_size), else None. The soft CE then runs over those rows, as the
-        runtime drafts over them (and as EAGLE-3 trains): a sixth of the LM-head cost at 8,192 of 49,152."""
-        if not self.draft.has_draft_vocab or self._target.modules.lm_head.bias is not None:
-            return None
-        ids = draft_target_ids(self.draft.d2t)
-        return self._target.modules.lm_head.weight.detach()[ids], ids, self.draft.t2d
 
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
@@ -258,7 +264,7 @@ class EagleTraining(nn.Module):
             wanted_logits = ShiftedRows(target_hidden, targets.positions, steps,
                                         lambda x: apply_head(frozen.lm_head, x))
         targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
-        vocab = self.draft_vocab()
+        vocab = self._draft_vocab
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
         for step, predicted in enumerate(outputs):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from heads.cli import parse_flags, run_cli
+from training.evaluation import per_depth
 
 
 def _help(text: str, default: Any = None) -> Any:
@@ -101,18 +102,11 @@ def final_record(run_dir: Path) -> dict[str, Any] | None:
     return finished[-1] if finished else None
 
 
-def per_depth(record: dict[str, Any], name: str) -> list[float]:
-    values, depth = [], 0
-    while f"eval/{name}_d{depth}" in record:
-        values.append(round(record[f"eval/{name}_d{depth}"], 4))
-        depth += 1
-    return values
-
-
 def summarise(method: str, size: int, record: dict[str, Any], top_k: int) -> dict[str, Any]:
     return {"method": method, "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
             "train_rows": record.get("train/rows"), "steps": record["step"],
-            "top1_per_depth": per_depth(record, "top1"), f"top{top_k}_per_depth": per_depth(record, f"top{top_k}"),
+            "top1_per_depth": [round(v, 4) for v in per_depth(record, "top1")],
+            f"top{top_k}_per_depth": [round(v, 4) for v in per_depth(record, f"top{top_k}")],
             "expected_tau": round(record["eval/acceptance_length"], 4), "eval_tokens": int(record["eval/tokens"]),
             "train_seconds": round(record["train/seconds"], 1),
             "samples_per_second": round(record["train/samples_per_second"], 3)}

@@ -45,7 +45,7 @@ from training.data_source import (
     TrainingData,
     assistant_token_counts,
     check_feature_layers,
-    load_eval_rows,
+    load_rows,
     load_training_data,
     offline_features,
 )
@@ -97,7 +97,7 @@ def held_out(config: TrainConfig, data: TrainingData, counts: list[int]) -> tupl
     --max_train_tokens keeps a seeded subset of the training rows (counts[i]: assistant tokens of row i).
     """
     if config.eval_dataset:
-        rows = load_eval_rows(config)
+        rows = load_rows(config, held_out=True)
         features = offline_features(config, len(rows), held_out=True) if config.eval_features else None
         eval_data = TrainingData(rows, features, data.pad_token_id)
         train_rows = list(range(len(data.rows)))
