@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -115,82 +115,138 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _stop_reason(last_token: int, new_tokens: int, committed_length: int, eos: set[int], config: DecodeConfig,
+                 max_positions: int | None) -> str:
+    """Why a row stops before its next step ("" = it goes on)."""
+    if last_token in eos:
+        return "eos"
+    if new_tokens >= config.max_new_tokens:
+        return "max_new_tokens"
+    # tree node at depth d sits at position committed_length - 1 + d, which must be < max_positions
+    if max_positions is not None and max_positions - committed_length < 0:  # the root itself would not fit
+        return "context"
+    return ""
+
+
 @torch.inference_mode()
 def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, config: DecodeConfig,
              stats: GenerationStats | None = None) -> Iterator[torch.Tensor]:
     """Stream the new tokens of each step (int64 [n] tensors, n >= 1) until max_new_tokens, EOS or full context.
 
-    input_ids: the prompt, [T] or [1, T]. `stats` (optional) is filled as the loop runs.
+    input_ids: the prompt, [T] or [1, T]. `stats` (optional) is filled as the loop runs. One sequence is the
+    batch of one of `generate_batch`.
     """
     stats = stats if stats is not None else GenerationStats()
+    for emitted in generate_batch(target, [proposer], [input_ids], config, [stats]):
+        yield emitted[0]
+
+
+@torch.inference_mode()
+def generate_batch(target: TargetModel, proposers: list[Proposer], prompts: list[torch.Tensor], config: DecodeConfig,
+                   stats: list[GenerationStats] | None = None,
+                   size_for_batch: Callable[[int], int] | None = None) -> Iterator[list[torch.Tensor]]:
+    """Decode B prompts together; yield, per step, the new tokens of every row (int64 [n_b]; empty once the
+    row has finished). Each row drafts with its own proposer (proposers[b], one per row: they hold per-sequence
+    state), all rows are verified in ONE target forward, each row accepts its own path. A row stops at
+    max_new_tokens, right after an EOS token or at a full context, and is then dropped from the batch.
+
+    prompts: B prompts [T_b] (different lengths allowed). stats: one GenerationStats per row (filled as the loop
+    runs; a step's draft/verify/overhead times are the batch step's). size_for_batch: the planner, rows in the
+    batch -> draft tokens per row (0 = plain decoding); None keeps each proposer's own size (or the
+    --num_speculative_tokens schedule).
+    """
+    if len(proposers) != len(prompts):
+        raise ValueError(f"generate_batch: {len(proposers)} proposers for {len(prompts)} prompts (one per row)")
+    stats = stats if stats is not None else [GenerationStats() for _ in prompts]
+    if len(stats) != len(prompts) or len({id(p) for p in proposers}) != len(proposers):
+        raise ValueError("generate_batch: one GenerationStats and one distinct proposer per prompt")
     start_time = _clock(target.device)
     eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids())
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(config.seed)
-    indices = tuple(proposer.hidden_state_indices)
+    indices = tuple(proposers[0].hidden_state_indices)
+    if any(tuple(p.hidden_state_indices) != indices for p in proposers):
+        raise ValueError("generate_batch: every row's proposer must read the same target hidden states")
 
-    # 0. prefill: the prompt into the target's cache; its last logits give the first new token
-    prompt = target.check_prompt(input_ids.to(target.device))
-    out = target.prefill(prompt, indices)
-    emitted = next_token(out.logits[-1], config.sampling, generator)  # [1]
-    committed = torch.cat([prompt, emitted])  # [T + 1]; the last token is the root of the next draft
-    proposer.reset(prompt, out.hidden or None)
-    stats.prompt_length, stats.new_tokens = prompt.numel(), 1
-    stats.prefill_time = _clock(target.device) - start_time
-    stats.total_time = stats.prefill_time
+    # 0. prefill: each prompt into its row of the target's cache; its last logits give the first new token
+    prompts = [p.to(target.device) for p in prompts]
+    outs = target.prefill_rows(prompts, indices)
+    committed, emitted = [], []
+    for prompt, out, proposer, row_stats in zip(prompts, outs, proposers, stats, strict=True):
+        prompt = target.check_prompt(prompt)
+        emitted.append(next_token(out.logits[-1], config.sampling, generator))  # [1]
+        committed.append(torch.cat([prompt, emitted[-1]]))  # [T + 1]; the last token is the next draft's root
+        proposer.reset(prompt, out.hidden or None)
+        row_stats.prompt_length, row_stats.new_tokens = prompt.numel(), 1
+    for row_stats in stats:
+        row_stats.prefill_time = row_stats.total_time = _clock(target.device) - start_time
     yield emitted
-    length = SpeculationLength(config.speculation)
+    lengths = [SpeculationLength(config.speculation) for _ in prompts]
+    active = list(range(len(prompts)))  # rows still decoding, in the order of the target's batch rows
     while True:
         step_start = _clock(target.device)  # step time = draft + verify + overhead (everything else)
-        if int(emitted[-1]) in eos:
-            stats.stop_reason = "eos"
+        going = []
+        for b in active:
+            reason = _stop_reason(int(emitted[b][-1]), stats[b].new_tokens, committed[b].numel(), eos, config,
+                                  target.max_positions)
+            if reason:
+                stats[b].stop_reason = reason
+                stats[b].total_time = step_start - start_time
+            else:
+                going.append(b)
+        if not going:
             break
-        if stats.new_tokens >= config.max_new_tokens:
-            stats.stop_reason = "max_new_tokens"
-            break
-        # tree node at depth d sits at position len(committed) - 1 + d, which must be < max_positions
-        room = config.max_new_tokens if target.max_positions is None else target.max_positions - committed.numel()
-        if room < 0:  # the root itself would sit past the last position
-            stats.stop_reason = "context"
-            break
-        budget = min(length.current, config.max_new_tokens - stats.new_tokens - 1, room)
+        if going != active:  # finished rows leave the batch: they stop costing compute
+            target.select_rows([active.index(b) for b in going])
+            active = going
+        planned = size_for_batch(len(active)) if size_for_batch is not None else None
+        budgets = []
+        for b in active:
+            room = config.max_new_tokens if target.max_positions is None else target.max_positions - committed[b].numel()
+            size = lengths[b].current if planned is None else planned
+            budgets.append(min(size, config.max_new_tokens - stats[b].new_tokens - 1, room))
 
-        # 1. draft: a candidate tree rooted at the last committed token
+        # 1. draft: a candidate tree per row, rooted at its last committed token
         t0 = _clock(target.device)
-        draft = proposer.propose(committed, budget)
-        _check_draft(draft, committed, budget)
+        drafts = []
+        for b, budget in zip(active, budgets, strict=True):
+            drafts.append(proposers[b].propose(committed[b], budget))
+            _check_draft(drafts[-1], committed[b], budget)
         t1 = _clock(target.device)
 
-        # 2. verify: every tree node in ONE target forward (tree mask, position_ids = prefix_len + depth)
-        out = target.forward(draft.tokens, draft.tree, hidden_state_indices=indices)
-
+        # 2. verify: every row's tree nodes in ONE target forward (per-row tree masks and position_ids)
+        outs = target.forward_rows([d.tokens for d in drafts], [d.tree for d in drafts], indices)
         t2 = _clock(target.device)
 
-        # 3. accept: the longest acceptable path plus the target's own bonus token
-        acceptance = accept(draft, out.logits, config.sampling, config.acceptance, generator)
+        # 3. accept: per row, the longest acceptable path plus the target's own bonus token
+        acceptances = [accept(d, out.logits, config.sampling, config.acceptance, generator)
+                       for d, out in zip(drafts, outs, strict=True)]
 
-        # 4. commit: keep the accepted path in the KV cache, emit its tokens (cut after an EOS)
-        target.commit(acceptance.accepted_nodes)
-        emitted = torch.cat([draft.tokens[acceptance.accepted_nodes[1:]],
-                             draft.tokens.new_tensor([acceptance.bonus_token])])  # [accepted_length]
-        hits = [i for i, token in enumerate(emitted.tolist()) if token in eos]
-        if hits:
-            emitted = emitted[:hits[0] + 1]
-        committed = torch.cat([committed, emitted])
+        # 4. commit: keep each row's accepted path in the KV cache, emit its tokens (cut after an EOS)
+        target.commit_rows([a.accepted_nodes for a in acceptances])
+        emitted = [emitted[b][:0] for b in range(len(prompts))]
+        for b, draft, acceptance in zip(active, drafts, acceptances, strict=True):
+            tokens = torch.cat([draft.tokens[acceptance.accepted_nodes[1:]],
+                                draft.tokens.new_tensor([acceptance.bonus_token])])  # [accepted_length]
+            hits = [i for i, token in enumerate(tokens.tolist()) if token in eos]
+            emitted[b] = tokens[:hits[0] + 1] if hits else tokens
+            committed[b] = torch.cat([committed[b], emitted[b]])
         t3 = _clock(target.device)
-        proposer.on_accept(committed, draft, acceptance.accepted_nodes, out.hidden or None)
+        for b, draft, acceptance, out in zip(active, drafts, acceptances, outs, strict=True):
+            proposers[b].on_accept(committed[b], draft, acceptance.accepted_nodes, out.hidden or None)
         t4 = _clock(target.device)
 
-        length.update(draft.tree.max_depth, acceptance.accepted_length - 1)
         draft_time, verify_time = (t1 - t0) + (t4 - t3), t2 - t1
-        stats.record(StepStats(accepted_length=emitted.numel(), drafted_depth=draft.tree.max_depth,
-                               drafted_nodes=draft.tree.num_nodes - 1, draft_time=draft_time, verify_time=verify_time,
-                               overhead_time=(t4 - step_start) - draft_time - verify_time))
-        stats.new_tokens += emitted.numel()
-        stats.total_time = t4 - start_time
+        for b, draft, acceptance in zip(active, drafts, acceptances, strict=True):
+            lengths[b].update(draft.tree.max_depth, acceptance.accepted_length - 1)
+            stats[b].record(StepStats(accepted_length=emitted[b].numel(), drafted_depth=draft.tree.max_depth,
+                                      drafted_nodes=draft.tree.num_nodes - 1, draft_time=draft_time,
+                                      verify_time=verify_time,
+                                      overhead_time=(t4 - step_start) - draft_time - verify_time))
+            stats[b].new_tokens += emitted[b].numel()
+            stats[b].total_time = t4 - start_time
         yield emitted
-    stats.total_time = _clock(target.device) - start_time
 
 
 def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> Proposer:

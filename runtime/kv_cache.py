@@ -1,10 +1,12 @@
-"""The one KV-cache compaction routine: keep the accepted tree nodes, in contiguous slots, drop the rest.
+"""The one KV-cache compaction routine: keep the accepted tree nodes of every row, in contiguous slots, drop the rest.
 
-After a tree forward the cache holds `prefix_len` committed slots followed by `num_nodes` tree slots (node j
-in slot prefix_len + j). Accepting a path means its nodes' keys/values must end up in slots
-prefix_len, prefix_len + 1, ... in path order, and every other tree slot must go. We move the kept slots
-down with `index_select` (source and destination may overlap, so we gather first) and drop the tail with
-the cache's public `crop(-n)` (transformers 5.x takes only a negative count there).
+After a tree forward the cache holds `slots` committed-region slots followed by `num_nodes` tree slots (node j
+of every row in slot slots + j). Row b's committed tokens fill slots 0..lengths[b]-1 of the committed region;
+a batch of rows of different lengths leaves holes after the shorter rows (one sequence never has holes:
+lengths == [slots]). Accepting a path in row b means its nodes' keys/values must end up in slots
+lengths[b], lengths[b] + 1, ... in path order. We move the kept slots down with `index_select` (source and
+destination may overlap, so we gather first) and drop the tail beyond the longest row with the cache's public
+`crop(-n)` (transformers 5.x takes only a negative count there).
 """
 
 from __future__ import annotations
@@ -13,22 +15,46 @@ import torch
 from transformers import Cache
 
 
-def compact_cache(cache: Cache, prefix_len: int, num_nodes: int, keep: list[int]) -> None:
-    """Keep tree nodes `keep` (ids in [0, num_nodes), increasing) right after the prefix; drop the others.
-
-    cache: layers with keys/values [B, H, prefix_len + num_nodes, D] -> [B, H, prefix_len + len(keep), D].
-    """
+def _check_keep(keep: list[int], num_nodes: int) -> None:
     if any(b <= a for a, b in zip(keep[:-1], keep[1:], strict=True)) or (keep and not 0 <= keep[0] <= keep[-1] < num_nodes):
         raise ValueError(f"keep must be increasing node ids in [0, {num_nodes}), got {keep}")
-    if cache.get_seq_length() != prefix_len + num_nodes:
-        raise ValueError(f"cache holds {cache.get_seq_length()} slots, expected prefix {prefix_len} + "
+
+
+def compact_rows(cache: Cache, lengths: list[int], slots: int, num_nodes: int, keeps: list[list[int]]) -> list[int]:
+    """Keep tree nodes `keeps[b]` of row b right after its `lengths[b]` committed slots; drop the others.
+
+    cache: layers with keys/values [B, H, slots + num_nodes, D] -> [B, H, max_b(lengths[b] + len(keeps[b])), D].
+    Returns the new committed lengths per row.
+    """
+    if len(keeps) != len(lengths) or any(length > slots for length in lengths):
+        raise ValueError(f"compaction: {len(keeps)} keep lists for {len(lengths)} rows of lengths {lengths} "
+                         f"in {slots} slots")
+    for keep in keeps:
+        _check_keep(keep, num_nodes)
+    if cache.get_seq_length() != slots + num_nodes:
+        raise ValueError(f"cache holds {cache.get_seq_length()} slots, expected prefix {slots} + "
                          f"{num_nodes} tree nodes")
-    kept = len(keep)
-    if keep != list(range(kept)):  # nothing to move when the kept nodes already sit first
-        source = prefix_len + torch.tensor(keep, dtype=torch.long)
+    whole_batch = len(lengths) == 1  # one row: slice the batch axis as a whole (the single-sequence fast path)
+    for b, (length, keep) in enumerate(zip(lengths, keeps, strict=True)):
+        kept = len(keep)
+        if length == slots and keep == list(range(kept)):
+            continue  # the kept nodes already sit right after the row's prefix
+        source = slots + torch.tensor(keep, dtype=torch.long)
         for layer in cache.layers:
             source = source.to(layer.keys.device)
-            layer.keys[..., prefix_len:prefix_len + kept, :] = layer.keys.index_select(-2, source)
-            layer.values[..., prefix_len:prefix_len + kept, :] = layer.values.index_select(-2, source)
-    if num_nodes > kept:
-        cache.crop(-(num_nodes - kept))
+            rows = slice(None) if whole_batch else slice(b, b + 1)
+            layer.keys[rows, :, length:length + kept, :] = layer.keys[rows].index_select(-2, source)
+            layer.values[rows, :, length:length + kept, :] = layer.values[rows].index_select(-2, source)
+    new_lengths = [length + len(keep) for length, keep in zip(lengths, keeps, strict=True)]
+    surplus = slots + num_nodes - max(new_lengths)
+    if surplus > 0:
+        cache.crop(-surplus)
+    return new_lengths
+
+
+def compact_cache(cache: Cache, prefix_len: int, num_nodes: int, keep: list[int]) -> None:
+    """One sequence: keep tree nodes `keep` (ids in [0, num_nodes), increasing) right after the prefix.
+
+    cache: layers with keys/values [1, H, prefix_len + num_nodes, D] -> [1, H, prefix_len + len(keep), D].
+    """
+    compact_rows(cache, [prefix_len], prefix_len, num_nodes, [keep])

@@ -31,10 +31,11 @@ def allowed_keys(tree: Tree, prefix_len: int, window: int | None = None) -> torc
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Boolean [q, kv] -> additive float mask [1, 1, q, kv] in `dtype` on `device` (0 allowed, finfo.min masked)."""
+    """Boolean [q, kv] or [B, q, kv] -> additive float mask [1, 1, q, kv] or [B, 1, q, kv] in `dtype` on `device`
+    (0 allowed, finfo.min masked)."""
     allowed = allowed.to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None] if mask.ndim == 2 else mask[:, None]
 
 
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, start: int = 0,
@@ -44,3 +45,26 @@ def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, start: 
     Nodes 0..start-1 are already in the cache right after the prefix (a tree grown depth by depth).
     """
     return additive_mask(allowed_keys(tree, prefix_len, window)[start:], dtype, device)
+
+
+def rows_attention_mask(trees: list[Tree], row_lengths: list[int], slots: int, dtype: torch.dtype,
+                        window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive mask [B, 1, N, slots + N] for B rows verified in ONE forward (N = the largest tree).
+
+    Cache layout: row b's committed tokens sit in slots 0..row_lengths[b]-1 of the first `slots` slots (the
+    slots after them are holes, left because other rows are longer), its tree nodes in slots slots..slots+N_b-1.
+    Row b's node j sees its own prefix and ancestors (as `allowed_keys` with prefix row_lengths[b]); padding
+    queries (j >= N_b) see only their own slot, so no softmax row is empty.
+    """
+    if len(trees) == 1 and row_lengths[0] == slots:  # one row without holes: the single-sequence mask
+        return tree_attention_mask(trees[0], slots, dtype, window=window, device=device)
+    n = max(tree.num_nodes for tree in trees)
+    allowed = torch.zeros(len(trees), n, slots + n, dtype=torch.bool)  # [B, N, slots + N]
+    for b, (tree, length) in enumerate(zip(trees, row_lengths, strict=True)):
+        rows = allowed_keys(tree, length, window)  # [N_b, length + N_b]
+        k = tree.num_nodes
+        allowed[b, :k, :length] = rows[:, :length]
+        allowed[b, :k, slots:slots + k] = rows[:, length:]
+        padding = torch.arange(k, n)
+        allowed[b, padding, slots + padding] = True
+    return additive_mask(allowed, dtype, device)

@@ -8,6 +8,13 @@ the next `commit`, by the slots of the tree nodes just forwarded:
     forward(tokens, tree)                 cache = prefix + tree nodes         (logits of every node)
     commit(keep)                          cache = prefix + kept nodes         (one compaction routine)
 
+A batch of B sequences (`prefill_rows`, `forward_rows`, `commit_rows`, `select_rows`) keeps one cache
+[B, H, slots, D]: row b's committed prefix in slots 0..row_lengths[b]-1, holes after it up to the longest row,
+and each forward's tree nodes after the `slots` committed-region slots. The per-row 4D mask hides holes and
+padding (runtime/masks.rows_attention_mask), position_ids are per row, and the one compaction routine moves each
+row's kept nodes right after its own prefix (runtime/kv_cache.compact_rows). One sequence is the batch of one
+without holes, through the same calls.
+
 Every forward passes an additive float 4D mask in the model dtype and explicit `position_ids =
 prefix_len + depth` (omitting either is silently wrong). Sliding-window models get a windowed mask per
 layer type (a dict keyed by `config.layer_types` for hybrid models, one windowed tensor for Mistral-style
@@ -33,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from runtime.kv_cache import compact_cache
-from runtime.masks import tree_attention_mask
+from runtime.kv_cache import compact_rows
+from runtime.masks import rows_attention_mask, tree_attention_mask
 from runtime.tree import Tree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -113,8 +120,20 @@ class TargetModel:
         self.device = model.device
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache: DynamicCache | None = None
-        self.prefix_len = 0  # committed tokens in the cache
-        self.num_pending = 0  # tree nodes in the cache after the prefix (forwarded, not yet committed)
+        self.row_lengths: list[int] = [0]  # committed tokens in the cache, per row (one row per sequence)
+        self.slots = 0  # committed-region slots of the cache: the longest row (rows shorter than it have holes)
+        self.num_pending = 0  # tree slots in the cache after the committed region (forwarded, not yet committed)
+
+    @property
+    def prefix_len(self) -> int:
+        """Committed tokens in the cache of a single sequence (ValueError for a batch of several rows)."""
+        if len(self.row_lengths) != 1:
+            raise ValueError(f"prefix_len of a batch of {len(self.row_lengths)} rows: use row_lengths")
+        return self.row_lengths[0]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_lengths)
 
     @property
     def vocab_size(self) -> int:
@@ -191,21 +210,62 @@ class TargetModel:
                              f"({self.max_positions} positions)")
         self.check_hidden_indices(hidden_state_indices)
         self._check_mode(tree, start)
+        out = self._call(tokens[None], self._mask(tree, start), positions[None], hidden_state_indices, logits_to_keep)
+        self.num_pending = tree.num_nodes
+        return ForwardOutput(logits=out.logits[0], hidden={i: out.hidden_states[i][0] for i in hidden_state_indices})
+
+    def _call(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, hidden_state_indices: tuple[int, ...],
+              logits_to_keep: int | torch.Tensor = 0):
+        """The one call into the model: input_ids/positions [B, n], mask [B, 1, n, kv] (or per layer type)."""
         kwargs = {self._cache_kwarg: self.cache}
         if self.mode == "tree" or self._takes_positions:
-            kwargs["position_ids"] = positions[None].to(self.device)
-        step = "prefill" if self.prefix_len == 0 else ("verify" if self.flag == "--model" else "draft")
+            kwargs["position_ids"] = positions.to(self.device)
+        step = "prefill" if self.slots == 0 else ("verify" if self.flag == "--model" else "draft")
         try:
-            out = self.model(input_ids=tokens[None].to(self.device), attention_mask=self._mask(tree, start),
-                             use_cache=True, output_hidden_states=list(hidden_state_indices) or False,
-                             logits_to_keep=logits_to_keep, **kwargs)
+            return self.model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=True,
+                              output_hidden_states=list(hidden_state_indices) or False, logits_to_keep=logits_to_keep,
+                              **kwargs)
         except Exception as error:  # any model failure becomes one line naming the model and the step
-            raise TargetError(f"{self.describe()}: {step} forward of {tokens.numel()} tokens at positions "
+            raise TargetError(f"{self.describe()}: {step} forward of {input_ids.numel()} tokens at positions "
                               f"{int(positions.min())}..{int(positions.max())} failed ({self.mode} mode): "
                               f"{type(error).__name__}: {_first_line(error)}") from error
-        self.num_pending = tree.num_nodes
-        hidden = {i: out.hidden_states[i][0] for i in hidden_state_indices}
-        return ForwardOutput(logits=out.logits[0], hidden=hidden)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: list[torch.Tensor], trees: list[Tree],
+                     hidden_state_indices: tuple[int, ...] = ()) -> list[ForwardOutput]:
+        """Forward the tree of every row (tokens[b] [N_b] for trees[b]) in ONE call. Returns per row logits
+        [N_b, V] and hidden states {index: [N_b, H]}. One row is `forward` itself."""
+        if len(tokens) != self.batch_size or len(trees) != self.batch_size:
+            raise ValueError(f"forward_rows: {len(tokens)} token rows and {len(trees)} trees for a batch of "
+                             f"{self.batch_size} rows")
+        if self.batch_size == 1:
+            return [self.forward(tokens[0], trees[0], hidden_state_indices=hidden_state_indices)]
+        if self.cache is None:
+            raise ValueError("forward before prefill: call prefill_rows(prompts) first")
+        if self.num_pending:
+            raise ValueError(f"forward_rows with {self.num_pending} tree slots still in the cache: commit first")
+        n = max(tree.num_nodes for tree in trees)
+        input_ids = torch.zeros(self.batch_size, n, dtype=torch.long)  # [B, N]; padding is masked off
+        positions = torch.tensor(self.row_lengths)[:, None].repeat(1, n)  # [B, N]; padding at the row's root position
+        for b, (row, tree) in enumerate(zip(tokens, trees, strict=True)):
+            if row.shape != (tree.num_nodes,):
+                raise ValueError(f"row {b} tokens: expected shape [{tree.num_nodes}], got {tuple(row.shape)}")
+            input_ids[b, :tree.num_nodes] = row
+            positions[b, :tree.num_nodes] += tree.depth
+        if self.max_positions is not None and int(positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(positions.max())} is beyond the context of {self.flag} "
+                             f"({self.max_positions} positions)")
+        self.check_hidden_indices(hidden_state_indices)
+        if isinstance(self.windows, dict):
+            mask = {kind: rows_attention_mask(trees, self.row_lengths, self.slots, self.dtype, window, self.device)
+                    for kind, window in self.windows.items()}
+        else:
+            mask = rows_attention_mask(trees, self.row_lengths, self.slots, self.dtype, self.windows, self.device)
+        out = self._call(input_ids, mask, positions, hidden_state_indices)
+        self.num_pending = n
+        return [ForwardOutput(logits=out.logits[b, :tree.num_nodes],
+                              hidden={i: out.hidden_states[i][b, :tree.num_nodes] for i in hidden_state_indices})
+                for b, tree in enumerate(trees)]
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
@@ -214,14 +274,19 @@ class TargetModel:
             raise ValueError(f"{self.describe()} runs in {self.mode} mode: only a chain prefix can be kept, got {keep}")
         if self.mode == "plain" and len(keep) != self.num_pending:
             raise ValueError(f"{self.describe()} runs in plain mode: forwarded tokens cannot be rolled back")
+        self.commit_rows([keep])
+
+    @torch.inference_mode()
+    def commit_rows(self, keeps: list[list[int]]) -> None:
+        """Keep the forwarded tree nodes keeps[b] of every row b as its committed tokens (one compaction)."""
         try:
-            compact_cache(self.cache, self.prefix_len, self.num_pending, keep)
+            self.row_lengths = compact_rows(self.cache, self.row_lengths, self.slots, self.num_pending, keeps)
         except ValueError:
             raise
         except Exception as error:
             raise TargetError(f"{self.describe()}: KV cache compaction ({self.mode} mode) failed: "
                               f"{type(error).__name__}: {_first_line(error)}") from error
-        self.prefix_len += len(keep)
+        self.slots = max(self.row_lengths)
         self.num_pending = 0
 
     def prefill(self, input_ids: torch.Tensor, hidden_state_indices: tuple[int, ...] = ()) -> ForwardOutput:
@@ -231,12 +296,62 @@ class TargetModel:
         """
         input_ids = self.check_prompt(input_ids)
         self.cache = DynamicCache()  # no config: sliding layers keep every key (rollback must stay possible)
-        self.prefix_len = 0
-        self.num_pending = 0
+        self.row_lengths, self.slots, self.num_pending = [0], 0, 0
         out = self.forward(input_ids, Tree.chain(input_ids.numel() - 1), hidden_state_indices=hidden_state_indices,
                            logits_to_keep=1)
         self.commit(list(range(input_ids.numel())))
         return out
+
+    @torch.inference_mode()
+    def prefill_rows(self, prompts: list[torch.Tensor], hidden_state_indices: tuple[int, ...] = ()) -> list[ForwardOutput]:
+        """Start a batch: prefill each prompt (its own forward, so no row pays for another's padding), then
+        stack the caches into one [B, H, longest prompt, D] (holes after shorter prompts). One prompt is
+        `prefill` itself. Returns per row what `prefill` returns."""
+        if not prompts:
+            raise ValueError("prompts: an empty batch; at least one prompt is needed")
+        if len(prompts) > 1 and self.mode != "tree":
+            raise ValueError(f"{self.describe()} runs in {self.mode} mode: a batch of rows of different lengths "
+                             f"needs tree mode (per-row masks); decode its prompts one at a time")
+        if len(prompts) == 1:
+            return [self.prefill(prompts[0], hidden_state_indices)]
+        for index, prompt in enumerate(prompts):  # every prompt checked before any compute
+            try:
+                self.check_prompt(prompt)
+            except ValueError as error:
+                raise ValueError(f"prompt {index} of the batch: {error}") from error
+        outputs, caches, lengths = [], [], []
+        for prompt in prompts:
+            outputs.append(self.prefill(prompt, hidden_state_indices))
+            caches.append(self.cache)
+            lengths.append(self.row_lengths[0])
+        slots = max(lengths)
+        for layer, *others in zip(self.cache.layers, *(c.layers for c in caches[:-1]), strict=True):
+            rows = [*others, layer]  # the last prompt's cache object becomes the batch's
+            layer.keys = torch.cat([_pad_slots(r.keys, slots) for r in rows])
+            layer.values = torch.cat([_pad_slots(r.values, slots) for r in rows])
+        self.row_lengths, self.slots, self.num_pending = lengths, max(lengths), 0
+        return outputs
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only rows `rows` (indices into the current batch, increasing), e.g. when the others finished:
+        a finished row stops costing compute. Slots beyond the longest remaining row are dropped."""
+        if self.num_pending:
+            raise ValueError("select_rows with tree slots in the cache: commit first")
+        if not rows or any(b <= a for a, b in zip(rows[:-1], rows[1:])) or not 0 <= rows[0] <= rows[-1] < self.batch_size:
+            raise ValueError(f"select_rows: expected increasing row indices in [0, {self.batch_size}), got {rows}")
+        if rows == list(range(self.batch_size)):
+            return
+        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+        self.row_lengths = [self.row_lengths[r] for r in rows]
+        surplus = self.slots - max(self.row_lengths)
+        if surplus > 0:
+            self.cache.crop(-surplus)
+        self.slots = max(self.row_lengths)
+
+
+def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """[1, H, S, D] -> [1, H, slots, D], zeros after S (holes: masked off, never attended)."""
+    return torch.nn.functional.pad(tensor, (0, 0, 0, slots - tensor.shape[-2]))
 
 
 def _first_line(error: BaseException) -> str:

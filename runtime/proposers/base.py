@@ -8,6 +8,7 @@ The decode loop (runtime/generate.py) calls, once per step:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,15 @@ class Proposer(Protocol):
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         """Update drafter state. accepted_nodes: node ids root..last accepted (root included);
         tree_hidden: index -> [N, H] target hidden states at the tree nodes (for feature-based drafters)."""
+
+
+def per_row(proposer: Proposer, rows: int) -> list[Proposer]:
+    """`rows` proposers for a batch (generate_batch takes one per row): `proposer` and shallow copies of it. The
+    copies share weights; each row's per-sequence state is created by its own `reset`, and a proposer holding
+    another stateful object (the draft model's cache) makes its own in `__copy__`."""
+    if rows < 1:
+        raise ValueError(f"per_row: need at least one row, got {rows}")
+    return [proposer] + [copy.copy(proposer) for _ in range(rows - 1)]
 
 
 def root_only(committed_ids: torch.Tensor) -> Draft:

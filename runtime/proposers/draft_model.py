@@ -67,6 +67,13 @@ class DraftModelProposer:
         self._num_unseen = 0  # committed tokens fed at the start of the last propose
         self._num_forwarded = 0  # draft-side tree nodes in the draft cache after the last propose
 
+    def __copy__(self) -> DraftModelProposer:
+        """Another row's drafter: the same draft weights, its own draft-side KV cache."""
+        twin = object.__new__(DraftModelProposer)
+        twin.__dict__.update(self.__dict__)
+        twin.draft = TargetModel(self.draft.model, flag=self.draft.flag, mode=self.draft.mode)
+        return twin
+
     def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         self.draft.prefill(prompt_ids)
         self._num_unseen = self._num_forwarded = 0

@@ -135,10 +135,11 @@ def test_check_catches_a_model_that_rejects_4d_masks():
 def test_check_catches_a_broken_compaction(monkeypatch):
     """Compaction that only crops (keeps the first nodes, not the accepted ones): trees fail, chains (whose
     accepted nodes are always the first ones) pass."""
-    def crop_only(cache, prefix_len, num_nodes, keep):
-        cache.crop(-(num_nodes - len(keep))) if num_nodes > len(keep) else None
+    def crop_only(cache, lengths, slots, num_nodes, keeps):
+        cache.crop(-(num_nodes - len(keeps[0]))) if num_nodes > len(keeps[0]) else None
+        return [length + len(keep) for length, keep in zip(lengths, keeps)]
 
-    monkeypatch.setattr(runtime.target, "compact_cache", crop_only)
+    monkeypatch.setattr(runtime.target, "compact_rows", crop_only)
     with pytest.raises(Exception, match="compacted cache"):
         check_mode(tiny_model("llama"), "tree")
     assert choose_mode(tiny_model("llama")).mode == "chain"
