@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from heads.loading import cache_dir
+from runtime.planner import DraftProfile, best_size, plan_rows
 from runtime.target import TargetModel
 from runtime.tree import Tree
 
@@ -56,6 +56,7 @@ class CostCurve:
     device: str = ""
     dtype: str = ""
     kv_length: int = 0
+    rows: int = 1  # batch rows per forward (tokens[i] tokens in each)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.seconds) or not self.tokens:
@@ -160,8 +161,9 @@ def model_fingerprint(model) -> str:
     return f"{name}-{digest}"
 
 
-def _cache_file(model: str, device: str, dtype: str, kv_length: int) -> Path:
-    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}")
+def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1) -> Path:
+    rows_key = "" if rows == 1 else f"__rows{rows}"
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}{rows_key}")
     return cache_dir() / "cost_curves" / f"{key}.json"
 
 
@@ -184,18 +186,69 @@ def load_curve(path: str | Path) -> CostCurve:
         raise ValueError(f"cost curve file {path}: unexpected content ({err})") from err
 
 
+def rows_verify_forward(target: TargetModel, rows: int, kv_length: int, seed: int = 0) -> Callable[[int], None]:
+    """`run_forward(q)` for a batch: `rows` random prefixes of `kv_length` tokens, then each call one forward of
+    q tree tokens in every row (`forward_rows`), dropped again (`commit_rows`)."""
+    gen = torch.Generator().manual_seed(seed)
+    target.prefill_rows([torch.randint(target.vocab_size, (max(kv_length, 1),), generator=gen) for _ in range(rows)])
+    trees: dict[int, tuple[torch.Tensor, Tree]] = {}
+
+    def run(q: int) -> None:
+        if q not in trees:
+            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), _measurement_tree(q))
+        tokens, tree = trees[q]
+        target.forward_rows([tokens] * rows, [tree] * rows)
+        target.commit_rows([[] for _ in range(rows)])
+
+    return run
+
+
+@dataclass(frozen=True)
+class BatchCostCurve:
+    """Verify cost over rows x tokens per row: curves[i] times one forward of batch_sizes[i] rows."""
+
+    batch_sizes: list[int]
+    curves: list[CostCurve]
+
+    def __post_init__(self):
+        if len(self.batch_sizes) != len(self.curves) or not self.curves:
+            raise ValueError("batch cost curve needs one (>= 1) curve per batch size")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be increasing and >= 1, got {self.batch_sizes}")
+
+    def seconds(self, rows: int, tokens: int) -> float:
+        """Seconds of one forward of `rows` rows x `tokens` tokens: each measured batch size's curve at `tokens`,
+        linear in rows between (and beyond) the measured batch sizes."""
+        xs, ys = self.batch_sizes, [c.seconds_at(tokens) for c in self.curves]
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        i = next((k for k in range(1, len(xs)) if xs[k] >= rows), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 1e-9)
+
+
+def batch_cost_curve(target: TargetModel, batch_sizes: Sequence[int], kv_length: int = 256, max_tokens: int = 16,
+                     repeats: int = 3, use_cache: bool = True) -> BatchCostCurve:
+    """The verify cost over rows x tokens per row on the target's device (cached per batch size like
+    `verify_cost_curve`, which is the batch-1 curve). Leaves the target's cache holding random rows."""
+    curves = [verify_cost_curve(target, kv_length, max_tokens, repeats, use_cache, rows=rows) for rows in batch_sizes]
+    return BatchCostCurve(list(batch_sizes), curves)
+
+
 def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int = 64, repeats: int = 5,
-                      use_cache: bool = True, run_forward: Callable[[int], None] | None = None) -> CostCurve:
+                      use_cache: bool = True, run_forward: Callable[[int], None] | None = None,
+                      rows: int = 1) -> CostCurve:
     """The verify cost curve of `target` on its device, from the on-disk cache or measured (then cached).
 
     max_tokens: largest verify size measured (root + tree nodes); sizes are DEFAULT_SIZES up to it.
     run_forward: how to run a q-token verify (default: `target_verify_forward(target, kv_length)`; it
     leaves the target's cache holding the random prefix, so measure before generating, not during).
+    rows: measure a batch of this many rows, q tokens each (`rows_verify_forward`; cached separately).
     """
     model = target.model
     device = next(model.parameters()).device
     meta = dict(model=model_fingerprint(model), device=device_name(device),
-                dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length)
+                dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length, rows=rows)
     path = _cache_file(**meta)
     if use_cache and path.is_file():
         curve = load_curve(path)
@@ -205,7 +258,8 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
     if not tokens or tokens[-1] != max_tokens:
         tokens.append(max_tokens)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    run = run_forward or target_verify_forward(target, kv_length)
+    run = run_forward or (target_verify_forward(target, kv_length) if rows == 1
+                          else rows_verify_forward(target, rows, kv_length))
     curve = CostCurve(tokens=tokens, seconds=measure_curve(run, tokens, repeats=repeats, synchronize=sync), **meta)
     if use_cache:
         save_curve(curve, path)
@@ -223,21 +277,15 @@ class SizeChoice:
 def choose_tree_size(sizes: Sequence[int], expected_tau: Callable[[int], float],
                      verify_seconds: Callable[[int], float],
                      draft_seconds: Callable[[int], float] = lambda n: 0.0) -> SizeChoice:
-    """argmax over `sizes` (non-root tree nodes) of E[tau(n)] / (verify_seconds(n + 1) + draft_seconds(n)).
-
-    Size 0 (no speculation: a 1-token forward, tau = 1) is a valid candidate when listed.
-    """
+    """argmax over `sizes` (non-root tree nodes) of E[tau(n)] / (verify_seconds(n + 1) + draft_seconds(n)): the
+    planner (runtime/planner.py) at batch 1. Size 0 (no speculation: a 1-token forward, tau = 1) is a valid
+    candidate when listed."""
     if not sizes:
         raise ValueError("choose_tree_size needs at least one candidate size")
-    rows = []
-    for n in sizes:
-        seconds = verify_seconds(n + 1) + (draft_seconds(n) if n > 0 else 0.0)
-        tau = expected_tau(n)
-        if seconds <= 0 or math.isnan(seconds):
-            raise ValueError(f"step time for tree size {n} must be positive, got {seconds}")
-        rows.append(dict(size=n, expected_tau=tau, seconds=seconds, tokens_per_second=tau / seconds))
-    best = max(rows, key=lambda r: (r["tokens_per_second"], -r["size"]))
-    return SizeChoice(size=int(best["size"]), rows=rows)
+    sizes = sorted(sizes)
+    profile = DraftProfile(sizes, [expected_tau(n) for n in sizes], [draft_seconds(n) if n > 0 else 0.0 for n in sizes])
+    rows = plan_rows(profile, lambda rows, tokens: verify_seconds(tokens), batch=1)
+    return SizeChoice(size=best_size(rows), rows=rows)
 
 
 def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float) -> float | None:

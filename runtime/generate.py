@@ -20,9 +20,10 @@ import torch
 
 from runtime.acceptance import accept
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationLength
+from runtime.planner import DraftProfile
 from runtime.proposers.base import Draft, Proposer
 from runtime.sampling import SamplingConfig, logits_to_probs, sample_token
-from runtime.target import SUPPORTED_ATTENTION, TargetModel
+from runtime.target import TargetModel
 from runtime.verify_check import prepare_target
 
 
@@ -144,16 +145,16 @@ def generate(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, c
 @torch.inference_mode()
 def generate_batch(target: TargetModel, proposers: list[Proposer], prompts: list[torch.Tensor], config: DecodeConfig,
                    stats: list[GenerationStats] | None = None,
-                   size_for_batch: Callable[[int], int] | None = None) -> Iterator[list[torch.Tensor]]:
+                   size_for_batch: Callable[[int], list[int]] | None = None) -> Iterator[list[torch.Tensor]]:
     """Decode B prompts together; yield, per step, the new tokens of every row (int64 [n_b]; empty once the
     row has finished). Each row drafts with its own proposer (proposers[b], one per row: they hold per-sequence
     state), all rows are verified in ONE target forward, each row accepts its own path. A row stops at
     max_new_tokens, right after an EOS token or at a full context, and is then dropped from the batch.
 
     prompts: B prompts [T_b] (different lengths allowed). stats: one GenerationStats per row (filled as the loop
-    runs; a step's draft/verify/overhead times are the batch step's). size_for_batch: the planner, rows in the
-    batch -> draft tokens per row (0 = plain decoding); None keeps each proposer's own size (or the
-    --num_speculative_tokens schedule).
+    runs; a step's draft/verify/overhead times are the batch step's). size_for_batch: the planner
+    (runtime/planner.BatchPlanner), rows in the batch -> draft tokens for each row (0 = plain decoding), asked
+    every step; None keeps each proposer's own size (or the --num_speculative_tokens schedule).
     """
     if len(proposers) != len(prompts):
         raise ValueError(f"generate_batch: {len(proposers)} proposers for {len(prompts)} prompts (one per row)")
@@ -201,10 +202,12 @@ def generate_batch(target: TargetModel, proposers: list[Proposer], prompts: list
             target.select_rows([active.index(b) for b in going])
             active = going
         planned = size_for_batch(len(active)) if size_for_batch is not None else None
+        if planned is not None and len(planned) != len(active):
+            raise ValueError(f"planner returned {len(planned)} sizes for a batch of {len(active)} rows")
         budgets = []
-        for b in active:
+        for i, b in enumerate(active):
             room = config.max_new_tokens if target.max_positions is None else target.max_positions - committed[b].numel()
-            size = lengths[b].current if planned is None else planned
+            size = lengths[b].current if planned is None else planned[i]
             budgets.append(min(size, config.max_new_tokens - stats[b].new_tokens - 1, room))
 
         # 1. draft: a candidate tree per row, rooted at its last committed token
@@ -251,21 +254,26 @@ def generate_batch(target: TargetModel, proposers: list[Proposer], prompts: list
 
 def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> Proposer:
     """The proposer named by --method (loading --draft_model when needed)."""
+    return build_drafter(args, target, tokenizer)[0]
+
+
+def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tuple[Proposer, DraftProfile | None]:
+    """The proposer named by --method and, for heads with --tree_size auto, the planner's profile of it."""
     from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer
     method = args.resolved_method()
     if method == "autoregressive":
-        return Autoregressive()
+        return Autoregressive(), None
     if target.mode == "plain":  # the load-time verify check allows no drafts for this model
         print(f"[verify] --method {method}: speculation off, the target runs plain decoding only", file=sys.stderr)
-        return Autoregressive()
+        return Autoregressive(), None
     if method == "prompt_lookup":
-        return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+        return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram), None
     if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
         from runtime.proposers.factory import proposer_from_heads
         built = proposer_from_heads(args.heads, target, args.heads_options(), sampling=args.decode_config().sampling,
                                     seed=args.seed, target_name=args.model)
         print(f"[heads] {built.description}", file=sys.stderr)
-        return built.proposer
+        return built.proposer, built.profile()
     from heads.loading import load_model, load_tokenizer
     from runtime.proposers.draft_model import check_same_vocabulary
     draft_tokenizer = load_tokenizer(args.draft_model)
@@ -275,7 +283,7 @@ def build_proposer(args: GenerateArguments, target: TargetModel, tokenizer) -> P
     draft_mode = prepare_target(draft, flag="--draft_model").mode  # the draft model gets the same self-check
     return DraftModelProposer(draft, target_vocab_size=target.vocab_size, sampling=args.decode_config().sampling,
                               branching=args.branching() if target.mode == draft_mode == "tree" else (),
-                              seed=args.seed, mode=draft_mode)
+                              seed=args.seed, mode=draft_mode), None
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:
@@ -290,31 +298,15 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor
 
 def main(argv: list[str] | None = None) -> GenerationStats:
     from heads.cli import parse_flags
-    from heads.loading import load_model, load_tokenizer
+    from runtime.api import SpeculativeModel
 
     args = parse_flags(GenerateArguments, argv)  # `--config file.yaml` gives defaults, flags override
     torch.set_num_threads(args.num_threads)
-    if args.attn_implementation not in SUPPORTED_ATTENTION:
-        raise ValueError(f"--attn_implementation {args.attn_implementation}: an attention backend that ignores "
-                         f"custom masks cannot verify candidate trees; use one of {SUPPORTED_ATTENTION}")
-    config = args.decode_config()
-    args.resolved_method()
-    tokenizer = load_tokenizer(args.model)
-    target = prepare_target(load_model(args.model, dtype=args.model_dtype(), attn_implementation=args.attn_implementation,
-                                    device=args.device))
-    print(args.dtype_line(target.dtype), file=sys.stderr)
-    proposer = build_proposer(args, target, tokenizer)
-    input_ids = encode_prompt(tokenizer, args.prompt)
+    model = SpeculativeModel.from_args(args)
     stats = GenerationStats()
-    generated: list[int] = []
-    printed = ""
-    for tokens in generate(target, proposer, input_ids, config, stats):
-        generated.extend(tokens.tolist())
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
+    for piece in model.stream(args.prompt, stats=stats):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     print()
     rates = ", ".join(f"{r:.2f}" for r in stats.acceptance_per_depth)
     print(f"[{args.resolved_method()}] new tokens {stats.new_tokens} in {len(stats.steps) + 1} forwards, "

@@ -337,7 +337,7 @@ class TargetModel:
         a finished row stops costing compute. Slots beyond the longest remaining row are dropped."""
         if self.num_pending:
             raise ValueError("select_rows with tree slots in the cache: commit first")
-        if not rows or any(b <= a for a, b in zip(rows[:-1], rows[1:])) or not 0 <= rows[0] <= rows[-1] < self.batch_size:
+        if not rows or any(b <= a for a, b in zip(rows[:-1], rows[1:], strict=True)) or not 0 <= rows[0] <= rows[-1] < self.batch_size:
             raise ValueError(f"select_rows: expected increasing row indices in [0, {self.batch_size}), got {rows}")
         if rows == list(range(self.batch_size)):
             return

@@ -34,6 +34,7 @@ from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
 from runtime.cost_model import SizeChoice, chain_expected_tau, choose_tree_size, verify_cost_curve
+from runtime.planner import DraftProfile
 from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
@@ -110,6 +111,18 @@ class HeadsProposer:
     size_choice: SizeChoice | None = None  # rows of the auto choice, row 0 = plain decoding (None: fixed size)
     description: str = ""
     notes: list[str] = field(default_factory=list)
+
+    def profile(self) -> DraftProfile | None:
+        """The planner's input (runtime/planner.py) from the auto choice: expected tau and draft time of the
+        built shape at every size up to the built one (None for a fixed size: nothing was measured)."""
+        if self.size_choice is None:
+            return None
+        dynamic = getattr(self.proposer, "dynamic", None)
+        rows = [r for r in self.size_choice.rows[1:] if 0 < r["size"] <= self.size
+                and ("depth" not in r or (dynamic is not None and (r["depth"], r["top_k"]) == (dynamic.depth, dynamic.top_k)))]
+        rows.sort(key=lambda r: r["size"])
+        return DraftProfile([int(r["size"]) for r in rows], [r["expected_tau"] for r in rows],
+                            [r["draft_seconds"] for r in rows], source=f"{self.config.kind} heads' held-out accuracy")
 
 
 def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:

@@ -12,7 +12,13 @@ from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupPr
 from runtime.sampling import SamplingConfig, logits_to_probs
 from runtime.target import TargetModel
 from tests.runtime.test_generate import perturbed_copy
-from tests.runtime.test_head_proposers import PROPOSERS, chi_square_pvalue, make_proposer, perm_target, small_vocab_target
+from tests.runtime.test_head_proposers import (
+    PROPOSERS,
+    chi_square_pvalue,
+    make_proposer,
+    perm_target,
+    small_vocab_target,
+)
 from tests.tiny_models import stories260k, tiny_model
 
 BATCH_ARCHITECTURES = ["llama", "qwen3", "gpt2", "gemma2", "phi3", "deepseek_v3"]
@@ -42,7 +48,7 @@ def run_batch(model, proposers, batch, max_new_tokens, k=4, size_for_batch=None,
     rows = [[] for _ in batch]
     for step in generate_batch(TargetModel(model), proposers, batch, config, stats, size_for_batch):
         assert len(step) == len(batch)
-        for row, tokens in zip(rows, step):
+        for row, tokens in zip(rows, step, strict=True):
             row.extend(tokens.tolist())
     return [torch.tensor(r, dtype=torch.long) for r in rows], stats
 
@@ -61,11 +67,11 @@ def test_batched_rows_equal_plain_greedy_alone(name):
     expected = [plain_greedy(model, p, 40) for p in batch]
     draft = DraftModelProposer(perturbed_copy(model), model.config.vocab_size, branching=(2, 1))
     out, stats = run_batch(model, per_row(draft, len(batch)), batch, 40, k=6)
-    assert all(torch.equal(o, e) for o, e in zip(out, expected))
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
     assert all(s.new_tokens == 40 and s.stop_reason == "max_new_tokens" for s in stats)
     assert min(s.tau for s in stats) > 1.2, "the perturbed copy must get drafts accepted in every row"
     out, stats = run_batch(model, per_row(PromptLookupProposer(), len(batch)), batch, 40)
-    assert all(torch.equal(o, e) for o, e in zip(out, expected))
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
 
 @pytest.mark.parametrize("name", PROPOSERS)
@@ -77,7 +83,7 @@ def test_batched_head_proposers_equal_plain_greedy(name):
     proposer = make_proposer(name, model, sigma)
     out, stats = run_batch(model, per_row(proposer, len(batch)), batch, 30, k=proposer.tree_size,
                            eos_token_ids=())
-    for o, p in zip(out, batch):
+    for o, p in zip(out, batch, strict=True):
         assert torch.equal(o, plain_greedy(model, p, 30))
     assert min(s.tau for s in stats) > 1.5, "heads built to predict the permutation target must be accepted"
 
@@ -101,7 +107,7 @@ def test_rows_finish_at_different_steps_and_leave_the_batch():
 
     model.forward = spy
     out, stats = run_batch(model, per_row(draft, 3), batch, 50, k=4, eos_token_ids=(eos,))
-    assert all(torch.equal(o, e) for o, e in zip(out, expected))
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
     assert [s.stop_reason for s in stats] == ["eos" if e.numel() < 50 else "max_new_tokens" for e in expected]
     verify_sizes = batch_sizes[3:]  # after one prefill per row
     assert verify_sizes == sorted(verify_sizes, reverse=True) and verify_sizes[-1] < 3
@@ -113,7 +119,7 @@ def test_sliding_window_rows_past_the_window():
     batch = prompts([3, 14, 7])
     draft = DraftModelProposer(perturbed_copy(model), model.config.vocab_size, branching=(2,))
     out, _ = run_batch(model, per_row(draft, 3), batch, 30, k=5)
-    assert all(torch.equal(o, plain_greedy(model, p, 30)) for o, p in zip(out, batch))
+    assert all(torch.equal(o, plain_greedy(model, p, 30)) for o, p in zip(out, batch, strict=True))
 
 
 def test_planner_size_zero_is_plain_decoding_and_sizes_may_change_per_batch():
@@ -122,12 +128,12 @@ def test_planner_size_zero_is_plain_decoding_and_sizes_may_change_per_batch():
     batch = prompts([6, 10])
     expected = [plain_greedy(model, p, 20) for p in batch]
     draft = DraftModelProposer(perturbed_copy(model), model.config.vocab_size)
-    out, stats = run_batch(model, per_row(draft, 2), batch, 20, k=8, size_for_batch=lambda rows: 0)
-    assert all(torch.equal(o, e) for o, e in zip(out, expected)) and all(s.tau == 1.0 for s in stats)
+    out, stats = run_batch(model, per_row(draft, 2), batch, 20, k=8, size_for_batch=lambda rows: [0] * rows)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True)) and all(s.tau == 1.0 for s in stats)
     seen = []
     out, _ = run_batch(model, per_row(draft, 2), batch, 20, k=8,
-                       size_for_batch=lambda rows: seen.append(rows) or (3 if rows > 1 else 1))
-    assert all(torch.equal(o, e) for o, e in zip(out, expected)) and 2 in seen
+                       size_for_batch=lambda rows: seen.append(rows) or [3 if rows > 1 else 1] * rows)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True)) and 2 in seen
 
 
 def _exact_joint(model, prompt, sampling):

@@ -137,7 +137,7 @@ def test_check_catches_a_broken_compaction(monkeypatch):
     accepted nodes are always the first ones) pass."""
     def crop_only(cache, lengths, slots, num_nodes, keeps):
         cache.crop(-(num_nodes - len(keeps[0]))) if num_nodes > len(keeps[0]) else None
-        return [length + len(keep) for length, keep in zip(lengths, keeps)]
+        return [length + len(keep) for length, keep in zip(lengths, keeps, strict=True)]
 
     monkeypatch.setattr(runtime.target, "compact_rows", crop_only)
     with pytest.raises(Exception, match="compacted cache"):
