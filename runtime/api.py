@@ -154,11 +154,11 @@ class SpeculativeModel:
         """inputs: a prompt (text, or a conversation [{role, content}, ...]), token ids ([T] tensor or list of
         ints), or a list of prompts (batched; returns a list). Options override `config` field by field."""
         decode = self._config(config, options)
+        if isinstance(inputs, list) and not inputs:
+            raise ValueError("inputs: an empty list of prompts")
         batched = isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs) and \
             not (inputs and isinstance(inputs[0], dict))
         items = inputs if batched else [inputs]
-        if batched and not items:
-            raise ValueError("inputs: an empty list of prompts")
         encoded = [self._encode(item, i if batched else None) for i, item in enumerate(items)]
         prompts = [ids for ids, _ in encoded]
         stats = [GenerationStats() for _ in prompts]
