@@ -87,6 +87,14 @@ class BenchArguments:
     answers_jsonl: str = field(default="", metadata={
         "help": "answers in the Spec-Bench format (question_id, model_id, choices: turns, new_tokens, wall_time, "
                 "accept_lengths); plain decoding's answers go to the same name with '-plain' before the suffix"})
+    batch_sizes: str = field(default="", metadata={
+        "help": "comma-separated batch sizes (e.g. 1,2,4,8,16): the batch bench instead (runtime/bench_batch.py): "
+                "throughput and latency with speculation auto / on / off and transformers' batched generate"})
+    batch_drafter: str = field(default="method", metadata={
+        "help": "batch bench drafter: 'method' (the --method/--heads drafter) or 'oracle' (plain decoding's own "
+                "continuation: a perfect zero-cost drafter)"})
+    batch_on_size: int = field(default=4, metadata={
+        "help": "batch bench: draft size of mode 'on' (heads: their --tree_size; oracle: its chain length)"})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of defaults (keys = flag names of this command); flags given on the command line win"})
 
@@ -116,6 +124,12 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
         raise ValueError(f"--repeats must be >= 1, got {bench_args.repeats}")
     if bench_args.warmup_tokens < 0:
         raise ValueError(f"--warmup_tokens must be >= 0, got {bench_args.warmup_tokens}")
+    if bench_args.batch_sizes:
+        from runtime.bench_batch import parse_batch_sizes
+
+        parse_batch_sizes(bench_args.batch_sizes)
+        if bench_args.batch_on_size < 1:
+            raise ValueError(f"--batch_on_size must be >= 1, got {bench_args.batch_on_size}")
     if bench_args.turns not in (1, 2):
         raise ValueError(f"--turns must be 1 or 2, got {bench_args.turns}")
     if bench_args.oracle_chain_lengths() and not gen_args.decode_config().sampling.is_greedy:
@@ -662,6 +676,17 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen_args, bench_args = parse_arguments(argv)
     torch.set_num_threads(gen_args.num_threads)
+    if bench_args.batch_sizes:
+        from runtime.bench_batch import plot_batches, print_batch_table, run_batch_bench
+
+        result = run_batch_bench(gen_args, bench_args)
+        write_json_atomic(bench_args.output_json, result)
+        print_batch_table(result)
+        print(f"[bench] wrote {bench_args.output_json}")
+        if bench_args.plot:
+            plot_batches(result, bench_args.plot)
+            print(f"[bench] wrote {bench_args.plot}")
+        return result
     result = run_bench(gen_args, bench_args)
     write_json_atomic(bench_args.output_json, result)
     print_table(result)
