@@ -163,3 +163,27 @@ def test_predicted_speedup_is_tau_times_plain_step_over_step_time():
 
     assert predicted_speedup(3.0, verify_seconds=0.02, draft_seconds=0.01, plain_seconds=0.015) == pytest.approx(1.5)
     assert predicted_speedup(1.0, 0.0, 0.0, 0.01) is None
+
+
+def test_batch_bench_modes_identity_and_summary(tmp_path, monkeypatch):
+    """--batch_sizes: every (batch size, mode) row measured, our rows greedy-identical to each prompt alone,
+    the oracle's planner drafts at batch 1, the summary and the plot written."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    out, plot = tmp_path / "batch.json", tmp_path / "batch.png"
+    result = main(["--model", str(STORIES260K), "--prompts", PROMPTS, "--max_prompts", "3", "--max_new_tokens", "12",
+                   "--batch_sizes", "1,2", "--batch_drafter", "oracle", "--batch_on_size", "3",
+                   "--output_json", str(out), "--plot", str(plot)])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result)) and plot.stat().st_size > 0
+    rows = {(r["batch_size"], r["mode"]): r for r in written["batches"]}
+    assert set(rows) == {(b, m) for b in (1, 2) for m in ("off", "on", "auto", "hf")}
+    assert all(r["greedy_identical"] for r in written["batches"] if r["mode"] != "hf")
+    assert all(r["tokens_per_second"] > 0 and r["latency_median"] > 0 for r in written["batches"])
+    assert rows[(1, "on")]["size"] == 3 and [p["batch_size"] for p in written["planner"]] == [1, 2]
+    assert set(written["summary"]) >= {"crossover_batch_size", "auto_over_best_of_on_off", "auto_within_5_percent"}
+
+
+@pytest.mark.parametrize("value", ["0", "2,-1", "two"])
+def test_batch_sizes_flag_is_checked(value):
+    with pytest.raises(ValueError, match="--batch_sizes"):
+        parse_arguments(["--model", str(STORIES260K), "--batch_sizes", value])
