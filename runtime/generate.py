@@ -172,6 +172,8 @@ def generate_batch(target: TargetModel, proposers: list[Proposer], prompts: list
 
     # 0. prefill: each prompt into its row of the target's cache; its last logits give the first new token
     prompts = [p.to(target.device) for p in prompts]
+    if len(prompts) > 1:
+        target.check_batch_memory([p.numel() for p in prompts], config.max_new_tokens)
     outs = target.prefill_rows(prompts, indices)
     committed, emitted = [], []
     for prompt, out, proposer, row_stats in zip(prompts, outs, proposers, stats, strict=True):

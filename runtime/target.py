@@ -35,6 +35,7 @@ it as one line, exit code 2) naming the model, its class and the step.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -332,6 +333,23 @@ class TargetModel:
         self.row_lengths, self.slots, self.num_pending = lengths, max(lengths), 0
         return outputs
 
+    def kv_bytes(self, rows: int, slots: int) -> int:
+        """Estimated KV-cache bytes of `rows` rows x `slots` slots (keys and values of every layer)."""
+        heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        return 2 * self.num_layers * rows * slots * heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    def check_batch_memory(self, prompt_lengths: list[int], new_tokens: int, tree_tokens: int = 64) -> None:
+        """Refuse a batch whose KV cache (longest prompt + new tokens + a tree per row) and verify logits would not
+        fit in the free memory of the device, with the estimate, before anything is allocated."""
+        rows, slots = len(prompt_lengths), max(prompt_lengths) + new_tokens + tree_tokens
+        need = self.kv_bytes(rows, slots) + rows * tree_tokens * self.vocab_size * 4  # + fp32 logits of one verify
+        free = available_memory(self.device)
+        if free is not None and need > free:
+            raise ValueError(f"batch of {rows} prompts (longest {max(prompt_lengths)} tokens, {new_tokens} new): "
+                             f"needs ~{need / 2**30:.2f} GiB of KV cache and logits, {free / 2**30:.2f} GiB free on "
+                             f"{self.device}; decode fewer prompts at once or fewer new tokens")
+
     def select_rows(self, rows: list[int]) -> None:
         """Keep only rows `rows` (indices into the current batch, increasing), e.g. when the others finished:
         a finished row stops costing compute. Slots beyond the longest remaining row are dropped."""
@@ -347,6 +365,16 @@ class TargetModel:
         if surplus > 0:
             self.cache.crop(-surplus)
         self.slots = max(self.row_lengths)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes on `device` (CUDA: mem_get_info; CPU: available physical pages), None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:

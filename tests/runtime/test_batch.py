@@ -167,6 +167,15 @@ def test_rejection_sampling_is_exact_per_row_at_batch_4():
             assert chi_square_pvalue(counts[which], _exact_joint(model, prompt, sampling)) > 1e-3, (name, which)
 
 
+def test_a_batch_too_big_for_memory_is_refused_with_the_estimate(monkeypatch):
+    import runtime.target
+
+    model = _quiet_model("llama")
+    monkeypatch.setattr(runtime.target, "available_memory", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"batch of 2 prompts .* needs ~.* GiB .* free"):
+        list(generate_batch(TargetModel(model), per_row(Autoregressive(), 2), prompts([4, 6]), DecodeConfig(4)))
+
+
 def test_bad_batches_name_the_row():
     model = _quiet_model("llama")
     config = DecodeConfig(max_new_tokens=4)
