@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         proposers[spec.name] = built.proposer
         budgets[spec.name] = built.size
         built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
-                                 "auto_rows": built.size_choice.rows if built.size_choice else None}
+                                 "auto_rows": built.plan.rows if built.plan else None}
         print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
     gen_config = _hf_config(model, decode)
 

@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from heads.loading import cache_dir
-from runtime.planner import DraftProfile, best_size, plan_rows
 from runtime.target import TargetModel
 from runtime.tree import Tree
 
@@ -266,28 +265,6 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
     return curve
 
 
-@dataclass(frozen=True)
-class SizeChoice:
-    """The chosen tree size and the table it was chosen from (one row per candidate size)."""
-
-    size: int
-    rows: list[dict[str, float]] = field(default_factory=list)  # size, expected_tau, seconds, tokens_per_second
-
-
-def choose_tree_size(sizes: Sequence[int], expected_tau: Callable[[int], float],
-                     verify_seconds: Callable[[int], float],
-                     draft_seconds: Callable[[int], float] = lambda n: 0.0) -> SizeChoice:
-    """argmax over `sizes` (non-root tree nodes) of E[tau(n)] / (verify_seconds(n + 1) + draft_seconds(n)): the
-    planner (runtime/planner.py) at batch 1. Size 0 (no speculation: a 1-token forward, tau = 1) is a valid
-    candidate when listed."""
-    if not sizes:
-        raise ValueError("choose_tree_size needs at least one candidate size")
-    sizes = sorted(sizes)
-    profile = DraftProfile(sizes, [expected_tau(n) for n in sizes], [draft_seconds(n) if n > 0 else 0.0 for n in sizes])
-    rows = plan_rows(profile, lambda rows, tokens: verify_seconds(tokens), batch=1)
-    return SizeChoice(size=best_size(rows), rows=rows)
-
-
 def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float) -> float | None:
     """The cost model's speed-up over plain decoding: tau * t_plain / (t_verify + t_draft).
 
@@ -315,6 +292,40 @@ def chain_expected_tau(per_depth_accuracy: Sequence[float]) -> Callable[[int], f
         return total
 
     return tau
+
+
+class DraftTimer:
+    """Times `proposer.propose` on one random context of `kv_length` tokens (draft side only).
+
+    The context is prefilled through the target once (this clobbers the target's cache: use before
+    generating); every proposer timed is reset on it and fed it before timing.
+    """
+
+    def __init__(self, target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...], seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
+        out = target.prefill(self.prompt, tuple(hidden_state_indices))
+        self.hidden = out.hidden or None
+        self.committed = torch.cat([self.prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
+        self.sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def seconds(self, proposer, repeats: int = 3) -> float:
+        """Median seconds of one propose() at the proposer's own size."""
+        proposer.reset(self.prompt, self.hidden)
+        proposer.propose(self.committed, proposer.tree_size)  # feeds the context into the draft's own cache
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            proposer.propose(self.committed, proposer.tree_size)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3) -> float:
+    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (see DraftTimer)."""
+    return DraftTimer(target, kv_length, proposer.hidden_state_indices).seconds(proposer, repeats)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -376,6 +387,7 @@ def _plot(curve: CostCurve, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     from heads.cli import parse_flags
     from heads.loading import describe_dtype, load_model, resolve_dtype
+    from runtime.planner import choose_tree_size
     from runtime.tree_search import expected_accepted_lengths
 
     args = parse_flags(CostModelArgs, argv)

@@ -6,6 +6,11 @@ Input: what the drafter offers per size n (draft tokens per row) - its expected 
 
     size*(B) = argmax_n  B * E[tau(n)] / (t_verify(B rows x (n + 1) tokens) + B * t_draft(n))
 
+`plan_drafter` makes the batch-1 choice for trained heads: it measures the draft time of every shape the
+factory can build (runtime/proposers/factory.py only builds proposers and says what each shape is expected to
+accept) and the verify cost curve, and picks the shape and size, or plain decoding. `BatchPlanner` then sizes
+that drafter for each batch size.
+
 At batch 1 on a GPU extra verify tokens are nearly free and the planner drafts big trees; as the batch fills
 the hardware, B x (n + 1) tokens cost real time, rejected drafts are pure waste, and the size shrinks to 0.
 Rows draft one after another (each row owns its drafter state), hence B * t_draft. Every row gets the same
@@ -17,6 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.cost_model import DraftTimer, verify_cost_curve
+from runtime.target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -94,3 +103,102 @@ class BatchPlanner:
     def describe(self, batch_sizes: Sequence[int]) -> str:
         return "; ".join(f"batch {r['batch_size']}: size {r['size']} ({r['expected_tokens_per_second']:.1f} vs plain "
                          f"{r['plain_tokens_per_second']:.1f} tok/s)" for r in self.table(batch_sizes))
+
+
+@dataclass(frozen=True)
+class SizeChoice:
+    """The chosen size and the table it was chosen from (one row per candidate size)."""
+
+    size: int
+    rows: list[dict[str, float]] = field(default_factory=list)  # size, expected_tau, seconds, tokens_per_second
+
+
+def choose_tree_size(sizes: Sequence[int], expected_tau: Callable[[int], float],
+                     verify_seconds: Callable[[int], float],
+                     draft_seconds: Callable[[int], float] = lambda n: 0.0) -> SizeChoice:
+    """argmax over `sizes` (non-root tree nodes) of E[tau(n)] / (verify_seconds(n + 1) + draft_seconds(n)): the
+    planner at batch 1. Size 0 (no speculation: a 1-token forward, tau = 1) is a valid candidate when listed."""
+    if not sizes:
+        raise ValueError("choose_tree_size needs at least one candidate size")
+    sizes = sorted(sizes)
+    profile = DraftProfile(sizes, [expected_tau(n) for n in sizes], [draft_seconds(n) if n > 0 else 0.0 for n in sizes])
+    rows = plan_rows(profile, lambda rows, tokens: verify_seconds(tokens), batch=1)
+    return SizeChoice(size=best_size(rows), rows=rows)
+
+
+@dataclass(frozen=True)
+class DrafterFamily:
+    """What the factory can build from one set of heads: shapes (e.g. {} or {"depth": 5, "top_k": 8}), the
+    candidate sizes of each, their expected accepted length, and a constructor."""
+
+    kind: str
+    shapes: list[dict[str, int]]
+    sizes: Callable[[dict[str, int]], list[int]]
+    expected_tau: Callable[[dict[str, int], int], float]
+    make: Callable[[dict[str, int], int], Any]
+    hidden_state_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The batch-1 choice: shape and size (size 0 = plain decoding predicted fastest), every candidate row
+    (row 0 = plain decoding, then each shape's sizes with the shape's keys), and the chosen shape's profile."""
+
+    shape: dict[str, int]
+    size: int
+    rows: list[dict[str, float]]
+    profile: DraftProfile
+
+    @property
+    def off(self) -> bool:
+        return self.size == 0
+
+
+def timing_grid(sizes: list[int]) -> list[int]:
+    """The sizes at which draft time is measured (powers of two and the largest size; linear in between):
+    drafts are bounded by their size (levels, children and logits rows), so their time grows with it."""
+    return sorted({1, 2, 4, 8, 16, 32, 64, max(sizes)} & set(sizes))
+
+
+def _interpolate(measured: dict[int, float], n: int) -> float:
+    grid = sorted(measured)
+    if len(grid) == 1 or n <= grid[0]:
+        return measured[grid[0]]
+    hi = next((g for g in grid if g >= n), grid[-1])
+    lo = max(g for g in grid if g <= n) if n <= grid[-1] else grid[-2]
+    if hi == lo:
+        return measured[lo]
+    return measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+
+
+def plan_drafter(family: DrafterFamily, target: TargetModel, kv_length: int = 256, allow_off: bool = True) -> Plan:
+    """Measure (draft time per shape at a grid of sizes, verify cost curve at `kv_length`) and choose the
+    shape and size maximising expected accepted tokens per second at batch 1; size 0 when plain decoding wins
+    and `allow_off`. Clobbers the target's cache: call before generating."""
+    sizes = {key: family.sizes(shape) for key, shape in ((tuple(sorted(s.items())), s) for s in family.shapes)}
+    largest = max((max(v) for v in sizes.values() if v), default=1)
+    curve = verify_cost_curve(target, kv_length=kv_length, max_tokens=largest + 1, repeats=7)
+    timer = DraftTimer(target, kv_length, family.hidden_state_indices)
+    plain = dict(size=0, expected_tau=1.0, draft_seconds=0.0, seconds=curve.seconds_at(1),
+                 tokens_per_second=1.0 / curve.seconds_at(1))
+    rows, profiles = [plain], {}
+    for shape in family.shapes:
+        candidates = sizes[tuple(sorted(shape.items()))]
+        if not candidates:
+            continue
+        measured = {n: timer.seconds(family.make(shape, n)) for n in timing_grid(candidates)}
+        profile = DraftProfile(candidates, [family.expected_tau(shape, n) for n in candidates],
+                               [_interpolate(measured, n) for n in candidates], f"{family.kind} heads' held-out accuracy")
+        profiles[tuple(sorted(shape.items()))] = profile
+        rows += [{**row, **shape} for row in plan_rows(profile, lambda r, q: curve.seconds_at(q), batch=1)]
+    if len(rows) == 1:
+        raise ValueError(f"{family.kind} heads: no draft size to choose from")
+    best = max(rows if allow_off else rows[1:], key=lambda r: (r["tokens_per_second"], -r["size"]))
+    shape = {k: int(best[k]) for k in family.shapes[0]} if best["size"] else {}
+    if best["size"] == 0:  # plain decoding is predicted fastest: nothing to draft at any batch size
+        return Plan({}, 0, rows, DraftProfile([0], [1.0], [0.0], "plain decoding"))
+    profile = profiles[tuple(sorted(shape.items()))]
+    keep = [i for i, n in enumerate(profile.sizes) if n <= best["size"]]
+    chosen = DraftProfile([profile.sizes[i] for i in keep], [profile.expected_tau[i] for i in keep],
+                          [profile.draft_seconds[i] for i in keep], profile.source)
+    return Plan(shape, int(best["size"]), rows, chosen)

@@ -5,7 +5,7 @@
 Heads are random-initialised with the target's geometry (timing does not depend on the weights). For each kind
 (Medusa with own projections / with the shared target LM head, EAGLE-2 dynamic tree depth 5 top-k 8, EAGLE-1
 chain, EAGLE-3 dynamic tree, MTP chain), each draft size and each draft-vocabulary size, it times
-`proposer.propose` (runtime.proposers.factory.DraftTimer: median of 3 on a random context of --kv_length
+`proposer.propose` (runtime.cost_model.DraftTimer: median of 3 on a random context of --kv_length
 tokens) and one plain decode step (runtime.cost_model, 1 token at the same context length).
 
 Coverage (--counts_prompts, --coverage_prompts): the draft vocabulary of size N is counted on the assistant
@@ -24,10 +24,10 @@ import torch
 from heads import HeadsConfig, build_heads
 from heads.loading import describe_dtype, load_model, load_tokenizer
 from heads.vocab import build_vocab_mapping, count_tokens, coverage
-from runtime.cost_model import verify_cost_curve
+from runtime.cost_model import DraftTimer, verify_cost_curve
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
-from runtime.proposers.factory import DraftTimer, _default_table
+from runtime.proposers.factory import _default_table
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
 from runtime.target import TargetModel

@@ -4,11 +4,13 @@ The head directory's config (`kind`) picks the proposer: medusa -> MedusaPropose
 eagle -> EagleProposer (EAGLE-2 dynamic tree by default, EAGLE-1 static tree or chain on request),
 eagle3 -> Eagle3Proposer (same tree modes), mtp -> MTPProposer (chain).
 
-Tree size (`--tree_size`): the number of draft tokens per step, i.e. Medusa tree nodes, EAGLE-2
-`total_tokens`, or chain length. `auto` (default) picks the size maximising expected accepted tokens per
-second, E[tau(n)] / (t_verify(n + 1) + t_draft(n)) (runtime/cost_model.py):
-- t_verify: the target's verify cost curve on this device (measured once, cached on disk);
-- t_draft: the proposer's own propose() time, measured here on a random context;
+The factory only builds proposers. Tree size (`--tree_size`): the number of draft tokens per step, i.e. Medusa
+tree nodes, EAGLE-2 `total_tokens`, or chain length. A fixed size is built as asked; for `auto` (default) the
+factory describes the family of shapes it can build (`planner.DrafterFamily`: shapes, sizes, E[tau(n)] per
+shape, a constructor) and the planner (runtime/planner.plan_drafter) measures and chooses, maximising
+E[tau(n)] / (t_verify(n + 1) + t_draft(n)):
+- t_verify: the target's verify cost curve on this device (runtime/cost_model.py; measured once, cached on disk);
+- t_draft: the proposer's own propose() time, measured on a random context (cost_model.DraftTimer);
 - E[tau(n)]: from the heads' held-out accuracies that training stores in config.json `metrics`
   (`top1_accuracy_per_depth`, `topK_accuracy_per_depth`). Trees use a per-depth, per-rank table: rank 0 =
   top-1 accuracy, the top-K minus top-1 mass spread over ranks 1..K-1 with weights halving per rank (an
@@ -19,9 +21,6 @@ second, E[tau(n)] / (t_verify(n + 1) + t_draft(n)) (runtime/cost_model.py):
 from __future__ import annotations
 
 import re
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,8 +32,8 @@ from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
-from runtime.cost_model import SizeChoice, chain_expected_tau, choose_tree_size, verify_cost_curve
-from runtime.planner import DraftProfile
+from runtime.cost_model import chain_expected_tau
+from runtime.planner import DrafterFamily, DraftProfile, Plan, plan_drafter
 from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
@@ -108,21 +107,14 @@ class HeadsProposer:
     proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
-    size_choice: SizeChoice | None = None  # rows of the auto choice, row 0 = plain decoding (None: fixed size)
+    plan: Plan | None = None  # the planner's batch-1 choice, rows: plain decoding then every shape and size
     description: str = ""
     notes: list[str] = field(default_factory=list)
 
     def profile(self) -> DraftProfile | None:
-        """The planner's input (runtime/planner.py) from the auto choice: expected tau and draft time of the
-        built shape at every size up to the built one (None for a fixed size: nothing was measured)."""
-        if self.size_choice is None:
-            return None
-        dynamic = getattr(self.proposer, "dynamic", None)
-        rows = [r for r in self.size_choice.rows[1:] if 0 < r["size"] <= self.size
-                and ("depth" not in r or (dynamic is not None and (r["depth"], r["top_k"]) == (dynamic.depth, dynamic.top_k)))]
-        rows.sort(key=lambda r: r["size"])
-        return DraftProfile([int(r["size"]) for r in rows], [r["expected_tau"] for r in rows],
-                            [r["draft_seconds"] for r in rows], source=f"{self.config.kind} heads' held-out accuracy")
+        """The planner's input for batches (runtime/planner.BatchPlanner): the chosen shape's expected tau and
+        draft time at every size up to the chosen one (None for a fixed size: nothing was measured)."""
+        return None if self.plan is None else self.plan.profile
 
 
 def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:
@@ -145,12 +137,6 @@ def accuracy_table(config: HeadsConfig) -> list[list[float]] | None:
     return table
 
 
-def timing_grid(sizes: list[int]) -> list[int]:
-    """The sizes at which draft time is measured (powers of two and the largest size; linear in between):
-    drafts are bounded by their size (levels, children and logits rows), so their time grows with it."""
-    return sorted({1, 2, 4, 8, 16, 32, 64, max(sizes)} & set(sizes))
-
-
 def _chain_table(table: list[list[float]] | None, target: TargetModel) -> list[list[float]] | None:
     """Top-1 column only when the target verifies chains (a tree grown from it is a chain)."""
     return table if table is None or target.mode == "tree" else [row[:1] for row in table]
@@ -159,64 +145,6 @@ def _chain_table(table: list[list[float]] | None, target: TargetModel) -> list[l
 def _default_table(num_heads: int) -> list[list[float]]:
     table = yaml.safe_load(DEFAULT_TREE_TABLE.read_text())["accuracy"]
     return [table[min(h, len(table) - 1)] for h in range(num_heads)]
-
-
-class DraftTimer:
-    """Times `proposer.propose` on one random context of `kv_length` tokens (draft side only).
-
-    The context is prefilled through the target once (this clobbers the target's cache: use before
-    generating); every proposer timed is reset on it and fed it before timing.
-    """
-
-    def __init__(self, target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...], seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        self.prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
-        out = target.prefill(self.prompt, tuple(hidden_state_indices))
-        self.hidden = out.hidden or None
-        self.committed = torch.cat([self.prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
-        self.sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-
-    def seconds(self, proposer, repeats: int = 3) -> float:
-        """Median seconds of one propose() at the proposer's own size."""
-        proposer.reset(self.prompt, self.hidden)
-        proposer.propose(self.committed, proposer.tree_size)  # feeds the context into the draft's own cache
-        times = []
-        for _ in range(repeats):
-            self.sync()
-            start = time.perf_counter()
-            proposer.propose(self.committed, proposer.tree_size)
-            self.sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-
-def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3) -> float:
-    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (see DraftTimer)."""
-    return DraftTimer(target, kv_length, proposer.hidden_state_indices).seconds(proposer, repeats)
-
-
-def _auto(target: TargetModel, options: HeadsOptions, expected_tau: Callable[[int], float],
-          make: Callable[[int], object], sizes: list[int], draft_grid: list[int],
-          timer: DraftTimer | None = None) -> SizeChoice:
-    """Choose among `sizes`; draft time measured at `draft_grid` sizes and interpolated linearly."""
-    curve = verify_cost_curve(target, kv_length=options.cost_kv_length, max_tokens=max(sizes) + 1, repeats=7)
-    if timer is None:
-        timer = DraftTimer(target, options.cost_kv_length, make(draft_grid[0]).hidden_state_indices)
-    measured = {n: timer.seconds(make(n)) for n in draft_grid}
-    grid = sorted(measured)
-
-    def draft_seconds(n: int) -> float:
-        if len(grid) == 1 or n <= grid[0]:
-            return measured[grid[0]]
-        hi = next((g for g in grid if g >= n), grid[-1])
-        lo = max(g for g in grid if g <= n) if n <= grid[-1] else grid[-2]
-        if hi == lo:
-            return measured[lo]
-        return measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
-
-    choice = choose_tree_size(sizes, expected_tau, curve.seconds_at, draft_seconds)
-    plain = dict(size=0, expected_tau=1.0, seconds=curve.seconds_at(1), tokens_per_second=1.0 / curve.seconds_at(1))
-    return SizeChoice(size=choice.size, rows=[plain] + choice.rows)  # row 0: plain decoding, for reference
 
 
 def _load(heads: str | Path | torch.nn.Module, target: TargetModel, target_name: str | None, revision: str | None):
@@ -236,38 +164,52 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
 
     target_name: the target as the user named it (e.g. the --model string) for the base-model check; heads
     trained for another target raise ValueError naming both models (heads.checkpoint.check_compatible).
-    With an auto size and `options.allow_off`, when no size is predicted faster than plain decoding the
-    proposer is `Autoregressive` (speculation off, size 0), and the description says so.
+    A fixed size (--tree_size N, --tree FILE) is built as asked; `auto` asks the planner
+    (runtime/planner.plan_drafter) for the shape and size; with `options.allow_off`, when plain decoding is
+    predicted faster the proposer is `Autoregressive` (speculation off, size 0), and the description says so.
     """
     options = options or HeadsOptions()
+    module = _load(heads, target, target_name, revision)
+    config = module.config
     if target.mode == "plain":  # the load-time verify check allows no drafts for this target
-        return HeadsProposer(Autoregressive(), _load(heads, target, target_name, revision).config, 0, None,
+        return HeadsProposer(Autoregressive(), config, 0, None,
                              "speculation off: the target runs plain decoding only (verify check)")
     if target.mode == "chain":  # no tree attention for this target: EAGLE drafts chains, Medusa a top-1 chain
         options = replace(options, eagle_tree="static", tree="")
-    built = _build(heads, target, options, sampling, seed, target_name, revision)
-    choice = built.size_choice
-    if choice is None or not options.allow_off:
+    built = _family(module, target, options, sampling or SamplingConfig(), seed)
+    if isinstance(built, HeadsProposer):  # a fixed size or tree file: nothing to plan
         return built
-    plain, *rows = choice.rows
-    best = max(r["tokens_per_second"] for r in rows)
-    if best > plain["tokens_per_second"]:
-        return built
-    return HeadsProposer(Autoregressive(), built.config, 0, SizeChoice(size=0, rows=choice.rows),
-                         f"speculation off: plain decoding is predicted faster here ({plain['tokens_per_second']:.2f} "
-                         f"vs at best {best:.2f} tokens/s for {built.config.kind} heads; pass --tree_size N to force "
-                         f"drafting)", built.notes)
+    family, notes = built
+    plan = plan_drafter(family, target, options.cost_kv_length, allow_off=options.allow_off)
+    if plan.off:
+        plain, *rows = plan.rows
+        best = max(r["tokens_per_second"] for r in rows)
+        return HeadsProposer(Autoregressive(), config, 0, plan,
+                             f"speculation off: plain decoding is predicted faster here ({plain['tokens_per_second']:.2f}"
+                             f" vs at best {best:.2f} tokens/s for {config.kind} heads; pass --tree_size N to force "
+                             f"drafting)", notes)
+    if len(family.shapes) > 1:
+        notes.append(f"auto shape: {_shape_text(plan.shape)} among {len(family.shapes)} (depth, top_k) pairs")
+    fixed = options.fixed_size
+    label = f"{family.kind}{' ' + _shape_text(plan.shape) if plan.shape else ''}, " \
+            f"{'auto ' if fixed is None else ''}size {plan.size}"
+    return HeadsProposer(family.make(plan.shape, plan.size), config, plan.size, plan, label, notes)
 
 
-def _build(heads, target: TargetModel, options: HeadsOptions, sampling: SamplingConfig | None, seed: int | None,
-           target_name: str | None, revision: str | None) -> HeadsProposer:
-    sampling = sampling or SamplingConfig()
-    module = _load(heads, target, target_name, revision)
+def _shape_text(shape: dict[str, int]) -> str:
+    return " ".join(f"{key.replace('_', '')} {value}" if key != "top_k" else f"top_k {value}"
+                    for key, value in shape.items())
+
+
+def _family(module, target: TargetModel, options: HeadsOptions, sampling: SamplingConfig,
+            seed: int | None) -> HeadsProposer | tuple[DrafterFamily, list[str]]:
+    """The proposer itself for a fixed size or tree file; else the family of shapes the planner chooses from."""
     config = module.config
     fixed = options.fixed_size
     table = _chain_table(accuracy_table(config), target)
     notes: list[str] = []
     sizes = list(range(1, options.max_tree_size + 1))
+    indices = tuple(config.target_layers)
 
     def need_table() -> list[list[float]]:
         if table is None:
@@ -283,8 +225,7 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
         if options.tree:
             if fixed is not None:
                 raise ValueError("pass either --tree FILE or --tree_size N for Medusa heads, not both")
-            tree = load_tree_file(options.tree, num_heads=module.num_heads, vocab_size=config.vocab_size)
-            proposer = make_medusa(tree)
+            proposer = make_medusa(load_tree_file(options.tree, num_heads=module.num_heads, vocab_size=config.vocab_size))
             return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa tree {options.tree}")
         grown_from = table[: module.num_heads] if table is not None else None
         if grown_from is None:
@@ -292,31 +233,25 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
             notes.append(f"no measured accuracy in the heads: tree grown from the illustrative table of "
                          f"{DEFAULT_TREE_TABLE.name}")
 
-        def make(n: int) -> MedusaProposer:
+        def make(shape: dict, n: int) -> MedusaProposer:
             return make_medusa(static_tree(grow_tree(grown_from, n), "grown tree", num_heads=module.num_heads))
 
         if fixed is not None:
-            proposer = make(fixed)
+            proposer = make({}, fixed)
             return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa grown tree, {fixed} nodes", notes)
         taus = expected_accepted_lengths(need_table()[: module.num_heads], options.max_tree_size)
-        sizes = [n for n in sizes if n < len(taus)]
-        choice = _auto(target, options, lambda n: taus[n], make, sizes, timing_grid(sizes))
-        proposer = make(choice.size)
-        return HeadsProposer(proposer, config, proposer.tree_size, choice,
-                             f"medusa grown tree, auto size {choice.size}", notes)
+        return DrafterFamily("medusa grown tree", [{}], lambda shape: [n for n in sizes if n < len(taus)],
+                             lambda shape, n: taus[n], make, indices), notes
 
     if isinstance(module, MTPHeads):
-        sizes = [n for n in sizes if n <= module.num_depths]
-
-        def make(n: int) -> MTPProposer:
+        def make(shape: dict, n: int) -> MTPProposer:
             return MTPProposer(module, target.model, n, sampling, seed)
 
         if fixed is not None:
-            proposer = make(fixed)
-            return HeadsProposer(proposer, config, fixed, None, f"mtp chain of {fixed}")
+            return HeadsProposer(make({}, fixed), config, fixed, None, f"mtp chain of {fixed}")
         tau = chain_expected_tau(need_table_column(need_table()))
-        choice = _auto(target, options, tau, make, sizes, sizes)
-        return HeadsProposer(make(choice.size), config, choice.size, choice, f"mtp chain, auto length {choice.size}")
+        return DrafterFamily("mtp chain", [{}], lambda shape: [n for n in sizes if n <= module.num_depths],
+                             lambda shape, n: tau(n), make, indices), notes
 
     if isinstance(module, (EagleDraft, Eagle3Draft)):
         cls = Eagle3Proposer if isinstance(module, Eagle3Draft) else EagleProposer
@@ -330,49 +265,39 @@ def _build(heads, target: TargetModel, options: HeadsOptions, sampling: Sampling
                 proposer = cls(module, target.model, tree=tree, sampling=sampling, seed=seed)
                 return HeadsProposer(proposer, config, proposer.tree_size, None, f"{name} static tree {options.tree}")
 
-            def make(n: int) -> EagleProposer:
+            def make_chain(shape: dict, n: int) -> EagleProposer:
                 return cls(module, target.model, tree=static_tree([[0] * d for d in range(1, n + 1)]),
                            sampling=sampling, seed=seed)
 
             if fixed is not None:
-                return HeadsProposer(make(fixed), config, fixed, None, f"{name} chain of {fixed}")
+                return HeadsProposer(make_chain({}, fixed), config, fixed, None, f"{name} chain of {fixed}")
             tau = chain_expected_tau(need_table_column(need_table()))
-            choice = _auto(target, options, tau, make, sizes, timing_grid(sizes))
-            return HeadsProposer(make(choice.size), config, choice.size, choice, f"{name} chain, auto length "
-                                                                                   f"{choice.size}")
+            return DrafterFamily(f"{name} chain", [{}], lambda shape: sizes, lambda shape, n: tau(n), make_chain,
+                                 indices), notes
         if options.tree:
             raise ValueError("--tree is a static tree: pass --eagle_tree static with it")
 
-        def make_shape(depth: int, top_k: int, n: int) -> EagleProposer:
-            return cls(module, target.model, dynamic=DynamicTreeConfig(depth, top_k, n), sampling=sampling, seed=seed)
+        def make_shape(shape: dict, n: int) -> EagleProposer:
+            return cls(module, target.model, dynamic=DynamicTreeConfig(shape["depth"], shape["top_k"], n),
+                       sampling=sampling, seed=seed)
 
-        shapes = [(d, k) for d in options.depth_grid() for k in options.top_k_grid()]
+        shapes = [{"depth": d, "top_k": k} for d in options.depth_grid() for k in options.top_k_grid()]
         if fixed is not None and len(shapes) == 1:
-            (d, k), = shapes
-            return HeadsProposer(make_shape(d, k, fixed), config, fixed, None,
-                                 f"{name} dynamic tree depth {d} top_k {k} total {fixed}")
-        table = need_table()
-        timer = DraftTimer(target, options.cost_kv_length, tuple(config.target_layers))
-        best: tuple[float, int, int, SizeChoice] | None = None
-        all_rows: list[dict[str, float]] = []
-        for d, k in shapes:
-            taus = expected_accepted_lengths([row[:k] for row in table[:d]], options.max_tree_size)
-            candidates = [fixed] if fixed is not None else [n for n in sizes if n < len(taus)] or [1]
-            choice = _auto(target, options, lambda n, t=taus: t[min(n, len(t) - 1)],
-                           lambda n, d=d, k=k: make_shape(d, k, n), candidates, timing_grid(candidates), timer)
-            rate = next(r["tokens_per_second"] for r in choice.rows[1:] if r["size"] == choice.size)
-            for row in choice.rows[1:]:
-                row.update(depth=d, top_k=k)
-            all_rows += choice.rows[1:]
-            if best is None or rate > best[0]:
-                best = (rate, d, k, choice)
-        rate, d, k, choice = best
-        choice = SizeChoice(size=choice.size, rows=choice.rows[:1] + all_rows)  # row 0: plain; then every shape
-        if len(shapes) > 1:
-            notes.append(f"auto shape: depth {d}, top_k {k} among {len(shapes)} (depth, top_k) pairs")
-        return HeadsProposer(make_shape(d, k, choice.size), config, choice.size, choice,
-                             f"{name} dynamic tree depth {d} top_k {k}, "
-                             f"{'auto ' if fixed is None else ''}total {choice.size}", notes)
+            return HeadsProposer(make_shape(shapes[0], fixed), config, fixed, None,
+                                 f"{name} dynamic tree depth {shapes[0]['depth']} top_k {shapes[0]['top_k']} "
+                                 f"total {fixed}")
+        tables = {(s["depth"], s["top_k"]): expected_accepted_lengths(
+            [row[:s["top_k"]] for row in need_table()[:s["depth"]]], options.max_tree_size) for s in shapes}
+
+        def shape_sizes(shape: dict) -> list[int]:
+            taus = tables[(shape["depth"], shape["top_k"])]
+            return [fixed] if fixed is not None else [n for n in sizes if n < len(taus)] or [1]
+
+        def shape_tau(shape: dict, n: int) -> float:
+            taus = tables[(shape["depth"], shape["top_k"])]
+            return taus[min(n, len(taus) - 1)]
+
+        return DrafterFamily(f"{name} dynamic tree", shapes, shape_sizes, shape_tau, make_shape, indices), notes
     raise ValueError(f"--heads: unsupported head kind {config.kind!r}")
 
 

@@ -7,12 +7,12 @@ import pytest
 from runtime.cost_model import (
     CostCurve,
     chain_expected_tau,
-    choose_tree_size,
     load_curve,
     measure_curve,
     target_verify_forward,
     verify_cost_curve,
 )
+from runtime.planner import choose_tree_size
 from runtime.target import TargetModel
 from runtime.tree_search import expected_accepted_lengths
 from tests.tiny_models import tiny_model

@@ -345,7 +345,7 @@ def test_factory_auto_size_uses_metrics_and_cost(tmp_path, monkeypatch):
     assert table[0][0] == 0.9 and sum(table[0]) == pytest.approx(0.95) and len(table[0]) == 5
     built = proposer_from_heads(heads, target, HeadsOptions(max_tree_size=12, cost_kv_length=16, allow_off=False),
                                 target_name="tiny-target")
-    plain, *rows = built.size_choice.rows
+    plain, *rows = built.plan.rows
     assert plain["size"] == 0 and plain["expected_tau"] == 1.0
     assert [r["size"] for r in rows] == list(range(1, 13))
     best = max(rows, key=lambda r: r["tokens_per_second"])
@@ -526,9 +526,9 @@ def test_eagle_auto_shape(tmp_path, monkeypatch):
                                                                         max_tree_size=8, cost_kv_length=16,
                                                                         allow_off=False),
                                 target_name="tiny-target")
-    shapes = {(r["depth"], r["top_k"]) for r in built.size_choice.rows[1:]}
+    shapes = {(r["depth"], r["top_k"]) for r in built.plan.rows[1:]}
     assert shapes == {(d, k) for d in (2, 3, 4, 5, 6) for k in (2, 4, 8)}
-    best = max(built.size_choice.rows[1:], key=lambda r: r["tokens_per_second"])
+    best = max(built.plan.rows[1:], key=lambda r: r["tokens_per_second"])
     config = built.proposer.dynamic
     assert (config.depth, config.top_k, config.total_tokens) == (best["depth"], best["top_k"], best["size"])
     prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
@@ -539,11 +539,11 @@ def test_eagle_auto_shape(tmp_path, monkeypatch):
 
 
 def test_auto_turns_speculation_off_when_plain_is_faster(tmp_path, monkeypatch):
-    from runtime.proposers import factory
+    from runtime import cost_model
     from runtime.proposers.base import Autoregressive
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(factory.DraftTimer, "seconds", lambda self, proposer, repeats=3: 10.0)  # a very slow drafter
+    monkeypatch.setattr(cost_model.DraftTimer, "seconds", lambda self, proposer, repeats=3: 10.0)  # a very slow drafter
     model, sigma = perm_target("llama")
     heads = make_heads("medusa", model, sigma)
     heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.8, 0.7, 0.6]}
