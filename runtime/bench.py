@@ -54,11 +54,10 @@ import transformers
 from heads.cli import parse_flag_groups
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.cost_model import predicted_speedup
-from runtime.generate import GenerationStats, build_proposer, encode_prompt, generate
+from runtime.generate import GenerationStats, encode_prompt, generate
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
-from runtime.verify_check import prepare_target
 
 
 @dataclass
@@ -573,18 +572,14 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
 
 def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[str, Any]:
     """Load the model(s), run every runner on every prompt (interleaved), return the JSON-ready result."""
-    from heads.loading import load_model, load_tokenizer
+    from runtime.api import SpeculativeModel
 
     method = gen_args.resolved_method()
     config = gen_args.decode_config()
     questions = read_questions(bench_args.prompts, bench_args.max_prompts)
-    tokenizer = load_tokenizer(gen_args.model)
-    model = load_model(gen_args.model, dtype=gen_args.model_dtype(), attn_implementation=gen_args.attn_implementation,
-                       device=gen_args.device)
-    print(gen_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and the method share this model
+    spec = SpeculativeModel.from_args(gen_args)  # plain decoding and the method share this model (and dtype)
+    tokenizer, target, proposer, model = spec.tokenizer, spec.target, spec.proposer, spec.target.model
     dtype = str(model.dtype).removeprefix("torch.")
-    target = prepare_target(model)
-    proposer = build_proposer(gen_args, target, tokenizer)
     plain = Autoregressive()
     assisted = hf_assisted_settings(gen_args, proposer) if bench_args.compare_hf else None
     greedy = config.sampling.is_greedy
