@@ -39,8 +39,6 @@ from runtime.proposers.base import Proposer, per_row
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 
-PLANNER_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
 
 @dataclass(frozen=True)
 class SpecGenerationConfig:
@@ -86,6 +84,7 @@ class SpeculativeModel:
         self.args = args
         self.profile = profile  # what the planner sizes batches from (heads with tree_size auto), else None
         self._planner: BatchPlanner | None = None
+        self._planner_sizes: list[int] = []
 
     @classmethod
     def from_pretrained(cls, model: str, **options) -> SpeculativeModel:
@@ -130,23 +129,25 @@ class SpeculativeModel:
             raise ValueError(f"prompt{where}: empty text; a prompt needs at least one token")
         return encode_prompt(self.tokenizer, prompt), True
 
-    def planner(self) -> BatchPlanner | None:
-        """The per-batch size choice (heads with tree_size auto and a tree-mode target), measured on first use."""
+    def planner(self, rows: int) -> BatchPlanner | None:
+        """The per-batch size choice (heads with tree_size auto on a tree-mode target). The verify cost is measured
+        (and cached on disk) at batch sizes 1, 2, 4, ... up to the first power of two >= rows, on first need."""
         if self.profile is None or self.target.mode != "tree":
             return None
-        if self._planner is None:
+        needed = 1 << (rows - 1).bit_length()
+        if self._planner is None or max(self._planner_sizes) < needed:
             from runtime.cost_model import batch_cost_curve
 
-            options = self.args.heads_options()
-            cost = batch_cost_curve(self.target, PLANNER_BATCH_SIZES, kv_length=options.cost_kv_length,
+            self._planner_sizes = [1 << i for i in range(needed.bit_length())]
+            cost = batch_cost_curve(self.target, self._planner_sizes, kv_length=self.args.heads_options().cost_kv_length,
                                     max_tokens=max(self.profile.sizes, default=0) + 1)
             self._planner = BatchPlanner(self.profile, cost.seconds)
-            print(f"[planner] {self._planner.describe(PLANNER_BATCH_SIZES)}", file=sys.stderr)
+            print(f"[planner] {self._planner.describe(self._planner_sizes)}", file=sys.stderr)
         return self._planner
 
     def _run(self, prompts: list, config: DecodeConfig, stats: list[GenerationStats]) -> Iterator[list[torch.Tensor]]:
         proposers = per_row(self.proposer, len(prompts))
-        planner = self.planner() if len(prompts) > 1 else None
+        planner = self.planner(len(prompts)) if len(prompts) > 1 else None
         return generate_batch(self.target, proposers, prompts, config, stats, planner)
 
     def generate(self, inputs, config: SpecGenerationConfig | None = None,

@@ -94,3 +94,23 @@ def test_profile_from_measured_acceptance():
     assert profile.sizes == [1, 2, 3]
     assert profile.expected_tau == pytest.approx([1.5, 1.75, 1.75])  # depth 1: 2/4 accepted, depth 2: 1/4
     assert profile.draft_seconds == pytest.approx([0.01] * 3)
+
+
+def test_batched_heads_with_the_planner_equal_plain_greedy(tmp_path, monkeypatch, capsys):
+    """Heads with tree_size auto: the API measures the verify cost over rows x tokens, prints the planner's
+    size per batch size, and a batch of 3 decodes identically to each prompt alone."""
+    from heads import HeadsConfig, build_heads
+    from tests.tiny_models import stories260k
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    target = stories260k()
+    config = HeadsConfig.for_target("eagle", target, str(STORIES260K))
+    config.metrics = {"top1_accuracy_per_depth": [0.9, 0.85, 0.8], "top3_accuracy_per_depth": [0.95, 0.9, 0.9]}
+    build_heads(config).save_pretrained(tmp_path / "eagle")
+    model = SpeculativeModel.from_pretrained(str(STORIES260K), heads=str(tmp_path / "eagle"), tree_depth="3",
+                                             tree_top_k="2")
+    outs = model.generate(PROMPTS, max_new_tokens=20)
+    assert "[planner]" in capsys.readouterr().err and model._planner_sizes == [1, 2, 4]
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        ids = model._encode(prompt)[0]
+        assert out.token_ids == plain(model, ids, 20)[:len(out.token_ids)]
