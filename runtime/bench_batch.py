@@ -166,6 +166,7 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
         for mode in MODES:
             tokens: dict[int, list[int]] = {}
             latencies, total_new, wall = [], 0, 0.0
+            parts = {"draft": 0.0, "verify": 0.0, "overhead": 0.0}  # of our loop's steps (every row shares them)
             for chunk in chunks:
                 chunk_prompts = [prompts[i] for i in chunk]
                 if mode == "hf":
@@ -183,6 +184,9 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
                                              speculation=oracle_speculation if oracle else None)
                     seconds = time.perf_counter() - start
                     latencies += [s.total_time for s in stats]
+                    longest = max(stats, key=lambda s: len(s.steps))  # the row that saw every step of the batch
+                    for part in parts:
+                        parts[part] += getattr(longest, f"{part}_time")
                 wall += seconds
                 total_new += sum(len(r) for r in rows)
                 tokens.update(zip(chunk, rows, strict=True))
@@ -190,6 +194,7 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
             record = dict(batch_size=batch, mode=mode, tokens_per_second=total_new / wall,
                           latency_median=statistics.median(latencies), greedy_identical=identical,
                           new_tokens=total_new, seconds=wall,
+                          **{f"{part}_share": (None if mode == "hf" else value / wall) for part, value in parts.items()},
                           size=(planner(batch)[0] if mode == "auto" else on_size if mode == "on" else 0))
             records.append(record)
             print(f"[bench] batch {batch:3d} {mode:4s}: {record['tokens_per_second']:8.1f} tokens/s, latency median "
@@ -215,10 +220,11 @@ def summarise(records: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str
 
 
 def print_batch_table(result: dict[str, Any]) -> None:
-    print(f"{'batch':>5} {'mode':>5} {'tokens/s':>9} {'latency':>8} {'size':>4} identical")
+    print(f"{'batch':>5} {'mode':>5} {'tokens/s':>9} {'latency':>8} {'size':>4} {'draft':>6} {'overhead':>8} identical")
     for r in result["batches"]:
+        shares = ("", "") if r["draft_share"] is None else (f"{r['draft_share']:.1%}", f"{r['overhead_share']:.1%}")
         print(f"{r['batch_size']:5d} {r['mode']:>5} {r['tokens_per_second']:9.1f} {r['latency_median']:7.2f}s "
-              f"{r['size']:4d} {r['greedy_identical']}")
+              f"{r['size']:4d} {shares[0]:>6} {shares[1]:>8} {r['greedy_identical']}")
     s = result["summary"]
     print(f"crossover (forced speculation no faster than plain): batch {s['crossover_batch_size']}; auto / best of "
           f"on,off: " + ", ".join(f"{b}: {v:.2f}" for b, v in s["auto_over_best_of_on_off"].items()))

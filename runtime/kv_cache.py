@@ -34,17 +34,24 @@ def compact_rows(cache: Cache, lengths: list[int], slots: int, num_nodes: int, k
     if cache.get_seq_length() != slots + num_nodes:
         raise ValueError(f"cache holds {cache.get_seq_length()} slots, expected prefix {slots} + "
                          f"{num_nodes} tree nodes")
-    whole_batch = len(lengths) == 1  # one row: slice the batch axis as a whole (the single-sequence fast path)
-    for b, (length, keep) in enumerate(zip(lengths, keeps, strict=True)):
-        kept = len(keep)
-        if length == slots and keep == list(range(kept)):
-            continue  # the kept nodes already sit right after the row's prefix
+    moves = [(b, length, keep) for b, (length, keep) in enumerate(zip(lengths, keeps, strict=True))
+             if not (length == slots and keep == list(range(len(keep))))]  # else the kept nodes already sit right
+    if len(lengths) == 1 and moves:  # one sequence: slice the batch axis as a whole (the single-sequence path)
+        _, length, keep = moves[0]
         source = slots + torch.tensor(keep, dtype=torch.long)
         for layer in cache.layers:
             source = source.to(layer.keys.device)
-            rows = slice(None) if whole_batch else slice(b, b + 1)
-            layer.keys[rows, :, length:length + kept, :] = layer.keys[rows].index_select(-2, source)
-            layer.values[rows, :, length:length + kept, :] = layer.values[rows].index_select(-2, source)
+            layer.keys[..., length:length + len(keep), :] = layer.keys.index_select(-2, source)
+            layer.values[..., length:length + len(keep), :] = layer.values.index_select(-2, source)
+    elif moves:  # a batch: every row's moves in one gather and one scatter per tensor (not one per row)
+        rows = torch.cat([torch.full((len(keep),), b, dtype=torch.long) for b, _, keep in moves])  # [M]
+        source = torch.cat([slots + torch.tensor(keep, dtype=torch.long) for _, _, keep in moves])  # [M]
+        target = torch.cat([length + torch.arange(len(keep)) for _, length, keep in moves])  # [M]
+        for layer in cache.layers:
+            device = layer.keys.device
+            rows, source, target = rows.to(device), source.to(device), target.to(device)
+            layer.keys[rows, :, target, :] = layer.keys[rows, :, source, :]  # right side gathered first: [M, H, D]
+            layer.values[rows, :, target, :] = layer.values[rows, :, source, :]
     new_lengths = [length + len(keep) for length, keep in zip(lengths, keeps, strict=True)]
     surplus = slots + num_nodes - max(new_lengths)
     if surplus > 0:

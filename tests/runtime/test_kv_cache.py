@@ -55,3 +55,33 @@ def test_compaction_moves_slots_and_crops():
         compact_cache(cache, prefix_len=3, num_nodes=3, keep=[1, 0])
     with pytest.raises(ValueError, match="expected prefix"):
         compact_cache(cache, prefix_len=3, num_nodes=5, keep=[0])
+
+
+def test_batch_compaction_equals_each_row_recomputed():
+    """Three rows of different lengths (holes after the shorter ones), each accepting its own path through
+    the same tree: every row's valid slots equal a fresh single-sequence prefill of its committed tokens."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 256, (n,), generator=generator) for n in (4, 12, 7)]
+    target = TargetModel(model)
+    target.prefill_rows([s[:-1] for s in sequences])
+    tree = Tree.from_parents(PARENTS)
+    for paths in ([[0, 1, 3, 6], [0], [0, 2, 5, 7]], [[0, 2], [0, 1, 3, 6, 8], [0, 1, 4]]):
+        drafts = []
+        for s in sequences:
+            tokens = torch.randint(3, 256, (tree.num_nodes,), generator=generator)
+            tokens[0] = s[-1]
+            drafts.append(tokens)
+        target.forward_rows(drafts, [tree] * 3)
+        target.commit_rows(paths)
+        sequences = [torch.cat([s, d[p[1:]], torch.randint(3, 256, (1,), generator=generator)])
+                     for s, d, p in zip(sequences, drafts, paths, strict=True)]
+        assert target.row_lengths == [s.numel() - 1 for s in sequences]
+        assert target.slots == max(target.row_lengths) == target.cache.get_seq_length()
+        for b, s in enumerate(sequences):
+            fresh = TargetModel(model)
+            fresh.prefill(s[:-1])
+            n = s.numel() - 1
+            for mine, ref in zip(target.cache.layers, fresh.cache.layers, strict=True):
+                torch.testing.assert_close(mine.keys[b:b + 1, :, :n], ref.keys, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(mine.values[b:b + 1, :, :n], ref.values, atol=1e-5, rtol=1e-4)
