@@ -1,7 +1,9 @@
 """`python -m runtime.bench --batch_sizes 1,2,4,8,16`: batched decoding, speculation auto / on / off, next to
 transformers' own batched `generate` (hf).
 
-The prompts are decoded in consecutive batches of each size. Per (batch size, mode): total new tokens per
+The prompts are decoded in consecutive batches of each size, every mode on a batch before the next batch
+(interleaved, the mode that goes first rotating, so a drifting machine load and order effects hit the modes
+alike). Per (batch size, mode): total new tokens per
 second of wall time over all batches, the median per-sequence latency (a row's time from the start of its
 batch to its last token), and whether every row equals its prompt decoded alone with plain greedy decoding.
 Modes:
@@ -160,41 +162,48 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
     plan = planner.table(batch_sizes)
     print(f"[planner] {profile.source}: {planner.describe(batch_sizes)}", file=sys.stderr)
 
+    def run_mode(mode: str, chunk: list[int]) -> tuple[list[list[int]], float, list[float], dict[str, float]]:
+        """One batch of prompts in one mode: rows, wall seconds, per-row latencies, step-time parts."""
+        chunk_prompts = [prompts[i] for i in chunk]
+        if mode == "hf":
+            rows, seconds = _hf_batch(hf_model, chunk_prompts, config.max_new_tokens, pad_id)
+            return rows, seconds, [seconds] * len(chunk), {}
+        start = time.perf_counter()
+        if mode == "off":
+            rows, stats = decode(per_row(Autoregressive(), len(chunk)), chunk_prompts)
+        elif mode == "on":
+            rows, stats = decode(on_proposers(chunk), chunk_prompts, speculation=oracle_speculation if oracle else None)
+        else:
+            rows, stats = decode(auto_proposers(chunk), chunk_prompts, planner,
+                                 speculation=oracle_speculation if oracle else None)
+        seconds = time.perf_counter() - start
+        longest = max(stats, key=lambda s: len(s.steps))  # the row that saw every step of the batch
+        parts = {part: getattr(longest, f"{part}_time") for part in ("draft", "verify", "overhead")}
+        return rows, seconds, [s.total_time for s in stats], parts
+
     records = []
     for batch in batch_sizes:
         chunks = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+        tokens: dict[str, dict[int, list[int]]] = {mode: {} for mode in MODES}
+        latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+        wall = dict.fromkeys(MODES, 0.0)
+        parts = {mode: {"draft": 0.0, "verify": 0.0, "overhead": 0.0} for mode in MODES}
+        for index, chunk in enumerate(chunks):  # modes interleaved per batch of prompts, the first one rotating:
+            for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:  # drift and order hit them alike
+                rows, seconds, row_latencies, step_parts = run_mode(mode, chunk)
+                wall[mode] += seconds
+                latencies[mode] += row_latencies
+                tokens[mode].update(zip(chunk, rows, strict=True))
+                for part, value in step_parts.items():
+                    parts[mode][part] += value
         for mode in MODES:
-            tokens: dict[int, list[int]] = {}
-            latencies, total_new, wall = [], 0, 0.0
-            parts = {"draft": 0.0, "verify": 0.0, "overhead": 0.0}  # of our loop's steps (every row shares them)
-            for chunk in chunks:
-                chunk_prompts = [prompts[i] for i in chunk]
-                if mode == "hf":
-                    rows, seconds = _hf_batch(hf_model, chunk_prompts, config.max_new_tokens, pad_id)
-                    latencies += [seconds] * len(chunk)
-                else:
-                    start = time.perf_counter()
-                    if mode == "off":
-                        rows, stats = decode(per_row(Autoregressive(), len(chunk)), chunk_prompts)
-                    elif mode == "on":
-                        rows, stats = decode(on_proposers(chunk), chunk_prompts,
-                                             speculation=oracle_speculation if oracle else None)
-                    else:
-                        rows, stats = decode(auto_proposers(chunk), chunk_prompts, planner,
-                                             speculation=oracle_speculation if oracle else None)
-                    seconds = time.perf_counter() - start
-                    latencies += [s.total_time for s in stats]
-                    longest = max(stats, key=lambda s: len(s.steps))  # the row that saw every step of the batch
-                    for part in parts:
-                        parts[part] += getattr(longest, f"{part}_time")
-                wall += seconds
-                total_new += sum(len(r) for r in rows)
-                tokens.update(zip(chunk, rows, strict=True))
-            identical = all(tokens[i] == reference[i] for i in range(len(prompts)))
-            record = dict(batch_size=batch, mode=mode, tokens_per_second=total_new / wall,
-                          latency_median=statistics.median(latencies), greedy_identical=identical,
-                          new_tokens=total_new, seconds=wall,
-                          **{f"{part}_share": (None if mode == "hf" else value / wall) for part, value in parts.items()},
+            total_new = sum(len(r) for r in tokens[mode].values())
+            identical = all(tokens[mode][i] == reference[i] for i in range(len(prompts)))
+            record = dict(batch_size=batch, mode=mode, tokens_per_second=total_new / wall[mode],
+                          latency_median=statistics.median(latencies[mode]), greedy_identical=identical,
+                          new_tokens=total_new, seconds=wall[mode],
+                          **{f"{part}_share": (None if mode == "hf" else value / wall[mode])
+                             for part, value in parts[mode].items()},
                           size=(planner(batch)[0] if mode == "auto" else on_size if mode == "on" else 0))
             records.append(record)
             print(f"[bench] batch {batch:3d} {mode:4s}: {record['tokens_per_second']:8.1f} tokens/s, latency median "
