@@ -21,7 +21,6 @@ time measured in their batch-1 "on" run.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 import sys
@@ -140,10 +139,10 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
     def on_proposers(indices: list[int]):
         if oracle:
             return [OracleProposer(reference[i]) for i in indices]
-        return per_row(copy.copy(on_proposer), len(indices))
+        return per_row(on_proposer, len(indices))
 
     def auto_proposers(indices: list[int]):
-        return on_proposers(indices) if oracle else per_row(copy.copy(spec.proposer), len(indices))
+        return on_proposers(indices) if oracle else per_row(spec.proposer, len(indices))
 
     # the planner's profile of the drafter
     if oracle:

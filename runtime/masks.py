@@ -58,13 +58,19 @@ def rows_attention_mask(trees: list[Tree], row_lengths: list[int], slots: int, d
     """
     if len(trees) == 1 and row_lengths[0] == slots:  # one row without holes: the single-sequence mask
         return tree_attention_mask(trees[0], slots, dtype, window=window, device=device)
-    n = max(tree.num_nodes for tree in trees)
-    allowed = torch.zeros(len(trees), n, slots + n, dtype=torch.bool)  # [B, N, slots + N]
-    for b, (tree, length) in enumerate(zip(trees, row_lengths, strict=True)):
-        rows = allowed_keys(tree, length, window)  # [N_b, length + N_b]
+    batch, n = len(trees), max(tree.num_nodes for tree in trees)
+    lengths = torch.tensor(row_lengths)  # [B]
+    depth = torch.zeros(batch, n, dtype=torch.long)  # [B, N]
+    ancestors = torch.zeros(batch, n, n, dtype=torch.bool)  # [B, N, N]
+    for b, tree in enumerate(trees):
         k = tree.num_nodes
-        allowed[b, :k, :length] = rows[:, :length]
-        allowed[b, :k, slots:slots + k] = rows[:, length:]
-        padding = torch.arange(k, n)
-        allowed[b, padding, slots + padding] = True
+        depth[b, :k], ancestors[b, :k, :k] = tree.depth, tree.ancestors
+    padding = torch.arange(n)[None, :] >= torch.tensor([tree.num_nodes for tree in trees])[:, None]  # [B, N]
+    ancestors |= torch.diag_embed(padding)  # a padding query sees its own slot only
+    prefix = (torch.arange(slots)[None, None, :] < lengths[:, None, None]) & ~padding[:, :, None]  # [B, N, slots]
+    allowed = torch.cat([prefix, ancestors], dim=2)  # [B, N, slots + N]
+    if window is not None:  # Hugging Face's window rule on positions: key_pos > query_pos - window
+        query_pos = lengths[:, None] + depth  # [B, N]
+        key_pos = torch.cat([torch.arange(slots).expand(batch, slots), query_pos], dim=1)  # [B, slots + N]
+        allowed &= key_pos[:, None, :] > query_pos[:, :, None] - window
     return additive_mask(allowed, dtype, device)

@@ -122,3 +122,30 @@ def test_tree_forward_equals_causal_forward_per_path_bf16(arch):
 
 def test_tree_forward_stories260k_bf16():
     _tree_matches_paths(stories260k(dtype=torch.bfloat16), prefix_len=20, scale_tol=BF16_SCALE_TOL)
+
+
+@pytest.mark.parametrize("window", [None, 3, 8])
+def test_rows_mask_places_each_rows_single_sequence_mask(window):
+    """The batch mask, row by row: prefix slots of the row (holes after it hidden), its own tree's
+    single-sequence mask at the tree slots (windowed on positions), padding queries see only themselves."""
+    from runtime.masks import rows_attention_mask
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        sizes = torch.randint(1, 9, (4,), generator=generator).tolist()
+        trees = [Tree.from_parents([-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, k)])
+                 for k in sizes]
+        lengths = torch.randint(1, 30, (4,), generator=generator).tolist()
+        slots, n = max(lengths), max(sizes)
+        mask = rows_attention_mask(trees, lengths, slots, torch.float32, window)  # [B, 1, N, slots + N]
+        assert mask.shape == (4, 1, n, slots + n)
+        for b, (tree, length) in enumerate(zip(trees, lengths, strict=True)):
+            visible = mask[b, 0] == 0
+            single = allowed_keys(tree, length, window)  # [k, length + k]
+            k = tree.num_nodes
+            assert torch.equal(visible[:k, :length], single[:, :length])
+            assert not visible[:k, length:slots].any()  # holes
+            assert torch.equal(visible[:k, slots:slots + k], single[:, length:])
+            assert not visible[:k, slots + k:].any()  # other rows' padding slots
+            for j in range(k, n):  # padding queries
+                assert visible[j].nonzero().flatten().tolist() == [slots + j]
