@@ -323,11 +323,6 @@ class DraftTimer:
         return statistics.median(times)
 
 
-def measure_draft_seconds(proposer, target: TargetModel, kv_length: int, repeats: int = 3) -> float:
-    """Median seconds of `proposer.propose` on a random context of `kv_length` tokens (see DraftTimer)."""
-    return DraftTimer(target, kv_length, proposer.hidden_state_indices).seconds(proposer, repeats)
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
 
 @dataclass

@@ -66,9 +66,13 @@ def plan_rows(profile: DraftProfile, verify_seconds: Callable[[int, int], float]
     return rows
 
 
+def best_row(rows: Sequence[dict]) -> dict:
+    """The fastest row (ties: the smaller size)."""
+    return max(rows, key=lambda r: (r["tokens_per_second"], -r["size"]))
+
+
 def best_size(rows: Sequence[dict]) -> int:
-    """The size of the fastest row (ties: the smaller size)."""
-    return int(max(rows, key=lambda r: (r["tokens_per_second"], -r["size"]))["size"])
+    return int(best_row(rows)["size"])
 
 
 @dataclass
@@ -193,7 +197,7 @@ def plan_drafter(family: DrafterFamily, target: TargetModel, kv_length: int = 25
         rows += [{**row, **shape} for row in plan_rows(profile, lambda r, q: curve.seconds_at(q), batch=1)]
     if len(rows) == 1:
         raise ValueError(f"{family.kind} heads: no draft size to choose from")
-    best = max(rows if allow_off else rows[1:], key=lambda r: (r["tokens_per_second"], -r["size"]))
+    best = best_row(rows if allow_off else rows[1:])
     shape = {k: int(best[k]) for k in family.shapes[0]} if best["size"] else {}
     if best["size"] == 0:  # plain decoding is predicted fastest: nothing to draft at any batch size
         return Plan({}, 0, rows, DraftProfile([0], [1.0], [0.0], "plain decoding"))

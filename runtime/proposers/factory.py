@@ -197,8 +197,7 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
 
 
 def _shape_text(shape: dict[str, int]) -> str:
-    return " ".join(f"{key.replace('_', '')} {value}" if key != "top_k" else f"top_k {value}"
-                    for key, value in shape.items())
+    return " ".join(f"{key} {value}" for key, value in shape.items())
 
 
 def _family(module, target: TargetModel, options: HeadsOptions, sampling: SamplingConfig,
