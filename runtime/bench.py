@@ -671,25 +671,20 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen_args, bench_args = parse_arguments(argv)
     torch.set_num_threads(gen_args.num_threads)
-    if bench_args.batch_sizes:
+    if bench_args.batch_sizes:  # the batch bench: same outputs, its own table and plot
         from runtime.bench_batch import plot_batches, print_batch_table, run_batch_bench
 
-        result = run_batch_bench(gen_args, bench_args)
-        write_json_atomic(bench_args.output_json, result)
-        print_batch_table(result)
-        print(f"[bench] wrote {bench_args.output_json}")
-        if bench_args.plot:
-            plot_batches(result, bench_args.plot)
-            print(f"[bench] wrote {bench_args.plot}")
-        return result
-    result = run_bench(gen_args, bench_args)
+        run, show, plot = run_batch_bench, print_batch_table, plot_batches
+    else:
+        run, show, plot = run_bench, print_table, plot_bench
+    result = run(gen_args, bench_args)
     write_json_atomic(bench_args.output_json, result)
-    print_table(result)
+    show(result)
     print(f"[bench] wrote {bench_args.output_json}")
     if bench_args.plot:
-        plot_bench(result, bench_args.plot)
+        plot(result, bench_args.plot)
         print(f"[bench] wrote {bench_args.plot}")
-    if bench_args.answers_jsonl:
+    if bench_args.answers_jsonl and not bench_args.batch_sizes:  # the per-prompt bench writes the answers
         print(f"[bench] wrote {bench_args.answers_jsonl} and {plain_answers_path(bench_args.answers_jsonl)} "
               "(Spec-Bench answer format)")
     return result
