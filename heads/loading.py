@@ -175,9 +175,26 @@ def model_path(name_or_path: str) -> str:
     return str(_convert_gguf(source)) if source.gguf_file else source.name_or_path
 
 
+def _hub_error(name_or_path: str, error: OSError) -> FileNotFoundError:
+    """A Hub id that did not load (offline, unknown id, gated) -> one error naming the flag and the way out."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return FileNotFoundError(f"--model {name_or_path}: not a local file or directory, and the Hugging Face Hub did "
+                             f"not provide it ({reason}); pass a local model directory or .gguf file, or check the id")
+
+
+def _is_hub_id(name_or_path: str) -> bool:
+    return not Path(name_or_path).exists()
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a model given as Hub id, directory or GGUF (reads the converted copy for GGUF)."""
-    return AutoTokenizer.from_pretrained(model_path(name_or_path))
+    path = model_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as error:
+        if not _is_hub_id(path):
+            raise
+        raise _hub_error(name_or_path, error) from error
 
 
 def load_model(
@@ -199,6 +216,10 @@ def load_model(
         kwargs["revision"] = revision
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as error:
+        if not _is_hub_id(path):
+            raise
+        raise _hub_error(name_or_path, error) from error
     except ValueError as err:
         if "does not support" not in str(err) or attn_implementation != "sdpa":
             raise

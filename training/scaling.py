@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from heads.cli import parse_flags, run_cli
+from training.config import METHODS
 from training.evaluation import per_depth
 
 
@@ -72,10 +73,11 @@ class ScalingConfig:
         caps = {}
         for item in filter(None, (x.strip() for x in self.max_tokens.split(","))):
             method, _, value = item.partition("=")
-            if method not in self.method_list() or not value.isdigit():
-                raise ValueError(f"--max_tokens: expected METHOD=TOKENS for methods {self.method_list()}, got {item!r}")
+            if method not in METHODS or not value.isdigit():
+                raise ValueError(f"--max_tokens: expected METHOD=TOKENS with METHOD one of {list(METHODS)}, "
+                                 f"got {item!r}")
             caps[method] = int(value)
-        return caps
+        return {m: n for m, n in caps.items() if m in self.method_list()}  # a config's caps outlive --methods
 
     def runs(self) -> list[tuple[str, int]]:
         """(method, size) in the order they start: smallest size first."""

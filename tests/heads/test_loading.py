@@ -34,3 +34,19 @@ def test_bad_sources_name_the_flag(tmp_path):
         resolve_source(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="--dtype"):
         parse_dtype("int3")
+
+
+def test_a_hub_id_that_does_not_load_is_one_error_naming_the_flag(monkeypatch):
+    import transformers
+
+    from heads.loading import load_tokenizer
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    for load in (load_tokenizer, load_model):
+        with pytest.raises(FileNotFoundError, match=r"--model someorg/no-such-model: not a local file or directory, "
+                                                    r"and the Hugging Face Hub did not provide it \(We couldn't"):
+            load("someorg/no-such-model")

@@ -55,3 +55,18 @@ def test_scaling_command_trains_each_size_once_and_resumes(stories_dataset, tmp_
     mtime = (tmp_path / "runs" / "eagle_200" / "metrics.jsonl").stat().st_mtime
     assert main(flags) == runs  # finished runs are read back, not trained again
     assert (tmp_path / "runs" / "eagle_200" / "metrics.jsonl").stat().st_mtime == mtime
+
+
+def test_size_caps_apply_to_the_methods_run_and_unknown_methods_are_errors(tmp_path):
+    from training.scaling import ScalingConfig
+
+    for method in ("eagle", "medusa"):
+        (tmp_path / f"{method}_r.yaml").write_text(f"method: {method}\n")
+    common = {"dataset": "d", "eval_dataset": "e", "recipes": str(tmp_path / "{method}_r.yaml"),
+              "token_sizes": "10,20,30"}
+    args = ScalingConfig(methods="eagle,medusa", max_tokens="medusa=20,eagle3=10", **common)
+    assert args.runs() == [("eagle", 10), ("medusa", 10), ("eagle", 20), ("medusa", 20), ("eagle", 30)]
+    assert ScalingConfig(methods="eagle", max_tokens="medusa=20", **common).runs() == [("eagle", 10), ("eagle", 20),
+                                                                                      ("eagle", 30)]
+    with pytest.raises(ValueError, match="--max_tokens: expected METHOD=TOKENS"):
+        ScalingConfig(methods="eagle", max_tokens="eagel=20", **common)
