@@ -136,14 +136,13 @@ def offline_features(config: TrainConfig, num_rows: int, held_out: bool = False)
     return OfflineFeatures(shards)
 
 
-def check_feature_layers(features: OfflineFeatures | None, needed: list[int], config: TrainConfig,
-                         flag: str = "--features") -> None:
-    """The shards must hold every hidden_states index the method reads."""
+def check_feature_layers(features: OfflineFeatures | None, needed: list[int], method: str, flag: str,
+                         directory: str | None) -> None:
+    """The shards `flag` `directory` must hold every hidden_states index `method` reads."""
     if features is None:
         return
     missing = sorted(set(needed) - set(features.layers))
     if missing:
-        directory = config.eval_features if flag == "--eval_features" else config.features
-        raise ValueError(f"{flag} {directory} holds layers {features.layers}; --method {config.method} "
+        raise ValueError(f"{flag} {directory} holds layers {features.layers}; --method {method} "
                          f"needs {sorted(set(needed))}: rerun python -m data.hidden_states with --layers "
                          f"{','.join(str(i) for i in sorted(set(needed)))}")

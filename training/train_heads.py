@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"evaluating {len(eval_rows)} held-out rows of {config.eval_dataset or config.dataset}")
     train_loader, eval_loader = loaders(config, data, accelerator, train_rows, eval_data, eval_rows)
     module = build_training_module(config, target, lambda: data.assistant_tokens(train_rows))
-    check_feature_layers(data.features, module.feature_layers, config)
+    check_feature_layers(data.features, module.feature_layers, config.method, "--features", config.features)
     if eval_data is not data:
-        check_feature_layers(eval_data.features, module.feature_layers, config, flag="--eval_features")
+        check_feature_layers(eval_data.features, module.feature_layers, config.method, "--eval_features",
+                             config.eval_features)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
