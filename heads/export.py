@@ -192,6 +192,11 @@ def load_instructions(config: HeadsConfig, to: str, chain: int = 3) -> str:
              f"{_ENGINE_NAMES[to]} only, other engines need their own export. BASE = `{base}` as a Hub id or a "
              f"plain Hugging Face directory (for a GGUF file: `python -c \"from heads.loading import model_path; "
              f"print(model_path('{base}'))\"`), HEADS = this directory.", ""]
+    if config.kind in ("eagle", "medusa") and 0 < config.draft_vocab_size < config.vocab_size:
+        lines += [f"These heads draft over a reduced vocabulary in specheads ({config.draft_vocab_size:,} of "
+                  f"{config.vocab_size:,} tokens, draft_vocab.safetensors); the {to} layout of {config.kind} has no "
+                  "place for it, so the engine drafts over the full vocabulary: output is still exact (the target "
+                  "verifies), but acceptance can differ from what specheads measured.", ""]
     if to == "vllm":
         method = _VLLM_METHOD[config.kind]
         lines += ["```python", "from vllm import LLM, SamplingParams",

@@ -286,3 +286,16 @@ def test_import_refuses_unknown_and_truncated(tmp_path, target):
     (tmp_path / "x" / "medusa_lm_head.safetensors").write_bytes(b"\x10\x00\x00")
     with pytest.raises(ValueError, match="corrupt or truncated"):
         import_checkpoint(tmp_path / "x", target.config, "m")
+
+
+def test_export_readme_says_an_engine_drafts_the_full_vocabulary(saved):
+    """EAGLE-1/Medusa layouts have no draft vocabulary: the card says acceptance there can differ from ours."""
+    from dataclasses import replace
+
+    from heads.export import load_instructions
+
+    for kind, engine in (("eagle", "vllm"), ("medusa", "tgi")):
+        config = load_heads(saved[kind]).config
+        assert "reduced vocabulary" not in load_instructions(config, engine)
+        card = load_instructions(replace(config, draft_vocab_size=V // 2), engine)
+        assert f"reduced vocabulary in specheads ({V // 2:,} of {V:,} tokens" in card, card
