@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.error = raise_flag_error
     parser.add_argument("--config", required=True, help="YAML with the run keys and the methods list")
     parser.add_argument("--max_prompts", type=int, default=None, help="override the config's max_prompts")
+    parser.add_argument("--output_dir", default=None, help="override the config's output_dir")
     parser.add_argument("--dtype", default=None, help="override the config's dtype (default auto: bfloat16 where "
                         "fast, float32 elsewhere)")
     parser.add_argument("--exact", action="store_true", default=None, help="float32, where greedy output is "
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = parse_methods(config.get("methods"), f"--config {path}")
     model_name = config.get("model", "../shared/models/smollm2-135m-instruct")
     max_prompts = args.max_prompts or int(config.get("max_prompts", 8))
-    output_dir = Path(config.get("output_dir", "outputs/bench/heads"))
+    output_dir = Path(args.output_dir or config.get("output_dir", "outputs/bench/heads"))
     torch.set_num_threads(int(config.get("num_threads", 1)))
     decode = DecodeConfig(max_new_tokens=int(config.get("max_new_tokens", 128)))
     warmup = dataclasses.replace(decode, max_new_tokens=min(int(config.get("warmup_tokens", 16)),

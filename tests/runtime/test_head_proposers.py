@@ -507,10 +507,11 @@ def test_bench_heads_compares_methods(tmp_path):
                       f"  - {{name: pl, method: prompt_lookup}}\n"
                       f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
                       f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n")
-    payload = main(["--config", str(config)])
+    payload = main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")])  # flag beats config
     assert [m["method"] for m in payload["methods"]] == ["pl", "medusa3", "eagle2"]
     assert all(m["greedy_identical"] for m in payload["methods"])
-    detail = json.loads((tmp_path / "out" / "medusa3.json").read_text())
+    assert not (tmp_path / "out").exists()
+    detail = json.loads((tmp_path / "elsewhere" / "medusa3.json").read_text())
     assert detail["config"]["size"] == 3 and len(detail["prompts"]) == 1
     config.write_text(config.read_text().replace("tree_top_k: 2", "tree_top_k: 2, depth: 3"))
     with pytest.raises(ValueError, match="unknown key"):
