@@ -124,6 +124,7 @@ def test_bench_efficiency_oracle_turns_answers_and_plot(tmp_path, capsys):
     rows = written["oracle"]["rows"]
     assert [r["size"] for r in rows] == [1, 2] and all(r["identical_to_plain"] for r in rows)
     assert rows[1]["tau"] > rows[0]["tau"] > 1.5 and written["oracle"]["dtype"] == "float32"
+    assert all(r["perfect_speedup"] > 0 for r in rows)  # (size + 1) x plain step / verify step, from the run
     assert written["verify_cost"]["tokens"][0] == 1 and written["verify_cost"]["relative"][0] == 1.0
     for path, runner in ((answers, "method"), (tmp_path / "answers-plain.jsonl", "plain")):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -187,3 +188,17 @@ def test_batch_bench_modes_identity_and_summary(tmp_path, monkeypatch):
 def test_batch_sizes_flag_is_checked(value):
     with pytest.raises(ValueError, match="--batch_sizes"):
         parse_arguments(["--model", str(STORIES260K), "--batch_sizes", value])
+
+
+def test_perfect_speedup_is_the_size_over_the_measured_verify_cost():
+    from runtime.bench import perfect_speedup
+    from runtime.generate import GenerationStats, StepStats
+
+    def stats(verify_by_tokens):
+        return [GenerationStats(steps=[StepStats(accepted_length=1, drafted_depth=n - 1, drafted_nodes=n - 1,
+                                                 draft_time=0.0, verify_time=t) for n, t in verify_by_tokens])]
+
+    plain = stats([(1, 0.10), (1, 0.12), (1, 0.10)])
+    oracle = stats([(3, 0.15), (3, 0.15), (2, 0.12)])  # a short last step of 2 tokens does not count
+    assert perfect_speedup(2, oracle, plain) == pytest.approx(3 * 0.10 / 0.15)
+    assert perfect_speedup(4, oracle, plain) is None  # no step verified 5 tokens
