@@ -12,11 +12,15 @@ auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max
 num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
 takes num_speculative_tokens (default 5)}. Each drafter's per-step budget is its own size.
+
+Results are rewritten after every prompt, with `<output_dir>/state.json` (the run's identity, records and step
+statistics): rerunning the same configuration reads the finished prompts back and measures only the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +39,7 @@ from runtime.bench import (
     write_json_atomic,
 )
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import encode_prompt
+from runtime.generate import GenerationStats, StepStats, encode_prompt
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.verify_check import prepare_target
@@ -154,6 +158,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
     plain_stats: list = []  # the plain runs' steps give the cost model's 1-token step time
+    run_key = {"model": model_name, "dtype": dtype_name, "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
+               "prompts": [ids.tolist() for ids in encoded], "methods": {n: _spec_record(specs, n) for n in proposers},
+               "budgets": budgets}
+    done = resume_state(output_dir / STATE_FILE, run_key, records, stats, plain_stats)
+    if done:
+        print(f"[bench_heads] resuming: {done} of {len(encoded)} prompts read back from {output_dir / STATE_FILE}",
+              file=sys.stderr)
     def write_results() -> dict[str, Any]:
         """Per-method JSON and summary.json over the prompts done so far (rewritten after every prompt)."""
         summary = []
@@ -180,9 +191,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
                    "max_new_tokens": decode.max_new_tokens, "methods": summary}
         write_json_atomic(output_dir / "summary.json", payload)
+        write_json_atomic(output_dir / STATE_FILE, {"run": run_key, "records": records, "plain_stats": [
+            dataclasses.asdict(s) for s in plain_stats], "stats": {n: [dataclasses.asdict(s) for s in stats[n]]
+                                                                   for n in proposers}})
         return payload
 
     for i, ids in enumerate(encoded):
+        if i < done:
+            continue
         plain = hf = None
         runs: dict[str, Any] = {name: None for name in proposers}
         for _ in range(repeats):  # every runner R times, interleaved; keep each one's fastest run
@@ -202,6 +218,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = write_results()
     print_summary(payload)
     return payload
+
+
+STATE_FILE = "state.json"  # what a restarted run reads back: the run's identity, records and step statistics
+
+
+def resume_state(path: Path, run_key: dict[str, Any], records: dict[str, list], stats: dict[str, list],
+                 plain_stats: list) -> int:
+    """Fill records / stats / plain_stats from an earlier run of the same configuration; returns the prompts done.
+
+    A state written by another configuration (model, dtype, prompts, methods, sizes) is not reused: the run starts
+    over and overwrites it."""
+    if not path.is_file():
+        return 0
+    state = json.loads(path.read_text())
+    if state.get("run") != json.loads(json.dumps(run_key)):
+        print(f"[bench_heads] {path} is from another configuration: starting over", file=sys.stderr)
+        return 0
+    for name in records:
+        records[name].extend(state["records"][name])
+        stats[name].extend(_stats_from_dict(s) for s in state["stats"][name])
+    plain_stats.extend(_stats_from_dict(s) for s in state["plain_stats"])
+    return len(plain_stats)
+
+
+def _stats_from_dict(values: dict[str, Any]) -> GenerationStats:
+    return GenerationStats(**{**values, "steps": [StepStats(**step) for step in values["steps"]]})
 
 
 def fastest(best, run):

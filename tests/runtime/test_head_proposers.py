@@ -518,6 +518,38 @@ def test_bench_heads_compares_methods(tmp_path):
         main(["--config", str(config)])
 
 
+def test_bench_heads_resumes_from_its_state(tmp_path, capsys):
+    """A cut run keeps its prompts: a rerun reads them back (same numbers) and measures only the rest; a state of
+    another configuration is not mixed in."""
+    import json
+
+    from runtime.bench_heads import STATE_FILE, main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "The cat sat")))
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 2\nmax_new_tokens: 12\n"
+                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nmethods:\n"
+                      f"  - {{name: pl, method: prompt_lookup}}\n")
+    main(["--config", str(config)])
+    state_path = tmp_path / "out" / STATE_FILE
+    state = json.loads(state_path.read_text())
+    first = state["records"]["pl"][0]
+    cut = {**state, "records": {"pl": state["records"]["pl"][:1]}, "stats": {"pl": state["stats"]["pl"][:1]},
+           "plain_stats": state["plain_stats"][:1]}  # as if killed after the first prompt
+    state_path.write_text(json.dumps(cut))
+    capsys.readouterr()
+    payload = main(["--config", str(config)])
+    assert "resuming: 1 of 2 prompts" in capsys.readouterr().err
+    detail = json.loads((tmp_path / "out" / "pl.json").read_text())
+    assert payload["prompts"] == 2 and detail["prompts"][0] == first  # read back, not measured again
+    assert detail["prompts"][1]["index"] == 1 and detail["prompts"][1]["greedy_identical"]
+    config.write_text(config.read_text().replace("max_new_tokens: 12", "max_new_tokens: 10"))
+    main(["--config", str(config)])
+    assert "another configuration: starting over" in capsys.readouterr().err
+    assert all(p["plain"]["new_tokens"] == 10 for p in json.loads((tmp_path / "out" / "pl.json").read_text())["prompts"])
+
+
 def test_eagle_auto_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     model, sigma = perm_target("llama")
