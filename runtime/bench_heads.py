@@ -11,7 +11,7 @@ transformers, greedy identity), and `<output_dir>/summary.json` with one row per
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
 num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
-takes num_speculative_tokens (default 5)}. Each drafter's per-step budget is its own size.
+takes num_speculative_tokens (default 5, or "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
 
 Results are rewritten after every prompt, with `<output_dir>/state.json` (the run's identity, records and step
 statistics): rerunning the same configuration reads the finished prompts back and measures only the rest.
@@ -39,7 +39,7 @@ from runtime.bench import (
     write_json_atomic,
 )
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import GenerationStats, StepStats, encode_prompt
+from runtime.generate import GenerationStats, StepStats, encode_prompt, lookup_step_costs
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.verify_check import prepare_target
@@ -47,6 +47,7 @@ from runtime.verify_check import prepare_target
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
              "repeats", "methods", "dtype", "exact"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
+LOOKUP_COST_BUDGET = 16  # prompt lookup with num_speculative_tokens: cost drafts at most this many per step
 
 
 @dataclass
@@ -57,7 +58,7 @@ class MethodSpec:
     heads: str | None = None
     method: str = "heads"
     options: HeadsOptions = field(default_factory=HeadsOptions)
-    num_speculative_tokens: int = 5  # prompt lookup's draft length (head drafters size themselves)
+    num_speculative_tokens: int | str = 5  # prompt lookup's draft length or "cost" (heads size themselves)
 
 
 def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec]:
@@ -78,8 +79,11 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
             raise ValueError(f"{source}: method {entry['name']!r}: needs 'heads' (directory or Hub id)")
         options = HeadsOptions(**{k: (str(v) if k == "tree_size" else v) for k, v in entry.items()
                                   if k in _OPTION_KEYS})
-        specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options,
-                                int(entry.get("num_speculative_tokens", 5))))
+        length = entry.get("num_speculative_tokens", 5)
+        if not (length == "cost" or (isinstance(length, int) and length >= 0)):
+            raise ValueError(f"{source}: method {entry['name']!r}: num_speculative_tokens must be an int >= 0 or "
+                             f"'cost', got {length!r}")
+        specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options, length))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"{source}: method names must be unique, got {names}")
@@ -133,9 +137,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     proposers, built_info, budgets = {}, {}, {}
     for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
         if spec.method == "prompt_lookup":
-            proposers[spec.name] = PromptLookupProposer()
-            budgets[spec.name] = spec.num_speculative_tokens
-            built_info[spec.name] = {"description": f"prompt lookup (n-gram 1..3, k = {spec.num_speculative_tokens})"}
+            by_cost = spec.num_speculative_tokens == "cost"
+            budgets[spec.name] = LOOKUP_COST_BUDGET if by_cost else spec.num_speculative_tokens
+            proposers[spec.name] = PromptLookupProposer(
+                step_costs=lookup_step_costs(target, LOOKUP_COST_BUDGET) if by_cost else None)
+            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, " + (
+                f"length by cost, k <= {LOOKUP_COST_BUDGET})" if by_cost else f"k = {spec.num_speculative_tokens})")}
             continue
         built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
         proposers[spec.name] = built.proposer

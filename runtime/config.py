@@ -100,9 +100,11 @@ class GenerateArguments:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
     acceptance: str = field(default="rejection", metadata={"help": f"acceptance rule: {ACCEPTANCE_RULES}"})
-    num_speculative_tokens: str = field(default="5", metadata={"help": "draft length k per step, or 'auto' "
-                                                               "(grow by 2 when all accepted, else shrink by 1)"})
-    max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto'"})
+    num_speculative_tokens: str = field(default="5", metadata={
+        "help": "draft length k per step; 'auto' (grow by 2 when all accepted, else shrink by 1); or 'cost' (prompt "
+                "lookup: per step the length that pays for its verify on this device, from the measured verify cost "
+                "curve and the acceptance learned so far; 0 = a plain step)"})
+    max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto' and 'cost'"})
     draft_tree_branching: str = field(default="", metadata={"help": "draft-model tree: comma-separated top-b "
                                                             "children per depth, e.g. '2,2' (empty = chain)"})
     max_ngram: int = field(default=3, metadata={"help": "prompt lookup: longest n-gram to match"})
@@ -137,10 +139,16 @@ class GenerateArguments:
         if self.num_speculative_tokens == "auto":
             return SpeculationConfig(num_speculative_tokens=5, adaptive=True,
                                      max_speculative_tokens=self.max_speculative_tokens)
+        if self.num_speculative_tokens == "cost":
+            if self.resolved_method() != "prompt_lookup":
+                raise ValueError(f"--num_speculative_tokens cost: only for --method prompt_lookup (heads size their "
+                                 f"drafts with --tree_size auto), got --method {self.resolved_method()}")
+            return SpeculationConfig(num_speculative_tokens=self.max_speculative_tokens,
+                                     max_speculative_tokens=self.max_speculative_tokens)
         try:
             k = int(self.num_speculative_tokens)
         except ValueError:
-            raise ValueError(f"--num_speculative_tokens: expected an int or 'auto', got "
+            raise ValueError(f"--num_speculative_tokens: expected an int, 'auto' or 'cost', got "
                              f"{self.num_speculative_tokens!r}") from None
         return SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=max(k, self.max_speculative_tokens))
 

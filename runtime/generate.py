@@ -269,7 +269,9 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
         print(f"[verify] --method {method}: speculation off, the target runs plain decoding only", file=sys.stderr)
         return Autoregressive(), None
     if method == "prompt_lookup":
-        return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram), None
+        costs = lookup_step_costs(target, args.speculation().max_speculative_tokens) \
+            if args.num_speculative_tokens == "cost" else None
+        return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram, step_costs=costs), None
     if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
         from runtime.proposers.factory import proposer_from_heads
         built = proposer_from_heads(args.heads, target, args.heads_options(), sampling=args.decode_config().sampling,
@@ -286,6 +288,18 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
     return DraftModelProposer(draft, target_vocab_size=target.vocab_size, sampling=args.decode_config().sampling,
                               branching=args.branching() if target.mode == draft_mode == "tree" else (),
                               seed=args.seed, mode=draft_mode), None
+
+
+def lookup_step_costs(target: TargetModel, max_tokens: int) -> list[float]:
+    """Prompt lookup's cost-aware length: the device's verify cost for 1..max_tokens + 1 tokens relative to a plain
+    step (measured once per model / device / dtype and cached; `runtime.cost_model`), printed."""
+    from runtime.cost_model import verify_cost_curve
+    from runtime.proposers.prompt_lookup import relative_step_costs
+
+    costs = relative_step_costs(verify_cost_curve(target, max_tokens=max_tokens + 1), max_tokens)
+    shown = ", ".join(f"{n}: x{costs[n - 1]:.2f}" for n in (2, 3, 5, 9, 17) if n <= len(costs))
+    print(f"[prompt lookup] draft length per step by cost; verify cost vs a plain step {shown}", file=sys.stderr)
+    return costs
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:

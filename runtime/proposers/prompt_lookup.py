@@ -3,49 +3,125 @@
 For n from max_ngram down to min_ngram, find the EARLIEST earlier occurrence of the last n committed tokens
 (as transformers' prompt_lookup_num_tokens does: the prompt, where copied text usually comes from, is
 searched first) and propose the tokens that followed it, as a chain. Deterministic: Draft.probs is None.
+
+Cost-aware length (`step_costs`, CLI `--num_speculative_tokens cost`): a match is not worth verifying when the
+text is not being copied, and on hardware where verifying k + 1 tokens costs more than a plain step (a CPU) such
+drafts make decoding slower. With the device's verify cost curve the proposer drafts, per step, the prefix length
+k of the match that maximises expected tokens per unit of cost, (1 + sum_j prod_{i<=j} a_i) / cost(k + 1), k = 0
+being a plain step. a_i (the chance the i-th drafted token is accepted once the ones before it were) is learned
+per sequence and per matched n-gram length as an exponential average. The first token is learned on every step
+with a match, drafted or not: the token the target commits next says whether the candidate's first token would
+have been accepted (the draft is free to compute, so declining to verify it loses no information).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from runtime.proposers.base import Draft, root_only
 from runtime.tree import Tree
 
+PRIOR_ACCEPTANCE = (0.5, 0.7)  # a_1 and a_2.. before anything was learned (MT-Bench measured .30 then .6-.85)
+LEARNING_RATE = 0.25  # weight of the newest outcome in the running averages
 
-def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> torch.Tensor:
-    """ids [T] -> up to `max_tokens` tokens [m] that followed the earliest earlier match of the longest
-    suffix n-gram (n in max_ngram..min_ngram); empty [0] if none matches."""
+
+def lookup_match(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> tuple[int, torch.Tensor]:
+    """ids [T] -> (n, up to `max_tokens` tokens [m] that followed the earliest earlier match of the longest suffix
+    n-gram, n in max_ngram..min_ngram); (0, empty [0]) if none matches."""
     length = ids.numel()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = ids[:-1].unfold(0, n, 1)  # [T - n, n]; window i = ids[i:i+n], followed by ids[i+n] (i+n < T)
         hits = (windows == ids[-n:]).all(dim=1).nonzero().flatten()
         if hits.numel():
             start = int(hits[0]) + n
-            return ids[start:start + max_tokens]
-    return ids[:0]
+            return n, ids[start:start + max_tokens]
+    return 0, ids[:0]
+
+
+def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> torch.Tensor:
+    """ids [T] -> the drafted continuation of `lookup_match` (empty [0] if nothing matches)."""
+    return lookup_match(ids, max_ngram, min_ngram, max_tokens)[1]
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a step emits on average when it verifies a chain of k drafts: 1 + sum_j prod_{i<=j} a_i."""
+    total, reach = 1.0, 1.0
+    for a in acceptance[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def best_draft_length(acceptance: Sequence[float], step_costs: Sequence[float], limit: int) -> int:
+    """k in 0..limit maximising expected_tokens(k) / step_costs[k] (step_costs[n - 1]: verifying n tokens relative
+    to a plain step, so step_costs[0] = 1); ties go to the shorter draft."""
+    limit = min(limit, len(acceptance), len(step_costs) - 1)
+    rates = [expected_tokens(acceptance, k) / step_costs[k] for k in range(limit + 1)]
+    return max(range(limit + 1), key=lambda k: (rates[k], -k))
+
+
+def learn(acceptance: list[float], candidate: Sequence[int], committed: Sequence[int], rate: float) -> None:
+    """Update the conditional acceptances in place from what was committed after `candidate` was proposed: depth j
+    is observed when the j - 1 before it matched and the target has committed a j-th token."""
+    for j, (drafted, actual) in enumerate(zip(candidate, committed, strict=False)):
+        if j >= len(acceptance):
+            return
+        hit = float(drafted == actual)
+        acceptance[j] += rate * (hit - acceptance[j])
+        if not hit:
+            return
 
 
 class PromptLookupProposer:
-    """n-gram matching in the context (prompt + generated tokens)."""
+    """n-gram matching in the context (prompt + generated tokens); with `step_costs`, a cost-aware draft length."""
 
     hidden_state_indices: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if step_costs is not None and (len(step_costs) < 2 or step_costs[0] <= 0):
+            raise ValueError(f"step_costs: expected relative verify costs for 1, 2, ... tokens, got {step_costs}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.step_costs = list(step_costs) if step_costs is not None else None
+        self.reset(None, None)
 
-    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
-        pass
+    def reset(self, prompt_ids: torch.Tensor | None, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.acceptance: dict[int, list[float]] = {}  # matched n-gram length -> [a_1, a_2, ...] of this sequence
+        self._pending: tuple[int, list[int], int] | None = None  # (n, candidate, committed length) to learn from
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         if max_tokens <= 0:
             return root_only(committed_ids)
-        continuation = lookup_continuation(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
-        return Draft(tokens=torch.cat([committed_ids[-1:], continuation]), tree=Tree.chain(continuation.numel()))
+        if self.step_costs is None:
+            continuation = lookup_continuation(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
+            return Draft(tokens=torch.cat([committed_ids[-1:], continuation]), tree=Tree.chain(continuation.numel()))
+        self._learn_from_last_step(committed_ids)
+        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens)
+        if not n:
+            return root_only(committed_ids)
+        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]] + [PRIOR_ACCEPTANCE[1]] * (max_tokens - 1))
+        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (max_tokens - len(acceptance)))
+        self._pending = (n, candidate.tolist(), committed_ids.numel())
+        k = best_draft_length(acceptance, self.step_costs, candidate.numel())
+        return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
+
+    def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        n, candidate, length = self._pending
+        self._pending = None
+        learn(self.acceptance[n], candidate, committed_ids[length:].tolist(), LEARNING_RATE)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         pass
+
+
+def relative_step_costs(curve, max_tokens: int) -> list[float]:
+    """A measured verify CostCurve -> [cost of verifying n tokens / cost of 1] for n = 1..max_tokens + 1."""
+    base = curve.seconds_at(1)
+    return [curve.seconds_at(n) / base for n in range(1, max_tokens + 2)]

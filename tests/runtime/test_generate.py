@@ -63,6 +63,10 @@ def test_greedy_draft_model_and_prompt_lookup_equal_hf_generate(name):
     out, stats = run(model, PromptLookupProposer(), prompt, 120)
     assert torch.equal(out, expected)
     assert sum(s.accepted_length for s in stats.steps) + 1 == stats.new_tokens == 120
+    cpu_costs = [1.0, 1.56, 1.7, 1.8, 1.85, 1.9]  # cost-aware length: some steps draft, some are plain, same output
+    out, stats = run(model, PromptLookupProposer(step_costs=cpu_costs), prompt, 120)
+    assert torch.equal(out, expected)
+    assert sum(s.accepted_length for s in stats.steps) + 1 == stats.new_tokens == 120
 
 
 @pytest.mark.parametrize("name,branching", [("llama", (2, 2)), ("qwen3", (3, 1, 2)), ("stories260K", (2,))])
@@ -190,11 +194,24 @@ def test_cli_streams_text_and_prints_tau(capsys):
     assert len(printed.splitlines()[0]) > 20  # the story text itself
 
 
+def test_cli_prompt_lookup_by_cost(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))  # the verify cost curve is measured and cached here
+    stats = main(["--model", str(STORIES260K), "--prompt", "Once upon a time", "--max_new_tokens", "24",
+                  "--method", "prompt_lookup", "--num_speculative_tokens", "cost", "--max_speculative_tokens", "4"])
+    assert "[prompt lookup] draft length per step by cost" in capsys.readouterr().err
+    assert stats.new_tokens == 24 and max(s.drafted_depth for s in stats.steps) <= 4
+    assert list((tmp_path / "cost_curves").iterdir())  # measured once, then read back
+
+
 def test_cli_arguments():
     assert GenerateArguments(num_speculative_tokens="auto").speculation().adaptive
     assert GenerateArguments(draft_tree_branching="2,2").branching() == (2, 2)
     with pytest.raises(ValueError, match="--num_speculative_tokens"):
         GenerateArguments(num_speculative_tokens="many").speculation()
+    by_cost = GenerateArguments(method="prompt_lookup", num_speculative_tokens="cost", max_speculative_tokens=8)
+    assert by_cost.speculation().num_speculative_tokens == 8 and not by_cost.speculation().adaptive
+    with pytest.raises(ValueError, match="--num_speculative_tokens cost: only for --method prompt_lookup"):
+        GenerateArguments(draft_model=str(STORIES260K), num_speculative_tokens="cost").speculation()
     with pytest.raises(ValueError, match="--method"):
         GenerateArguments(method="medusa").resolved_method()
     with pytest.raises(ValueError, match="--draft_model"):

@@ -95,3 +95,34 @@ def test_tokenizer_mismatch_names_the_flag():
     bigger.add_tokens(["<extra_token>"])
     with pytest.raises(ValueError, match=r"--draft_model: its tokenizer has 513 tokens but the target's has 512"):
         check_same_vocabulary(tokenizer, bigger)
+
+
+def test_cost_aware_lookup_length_pays_for_its_verify():
+    from runtime.proposers.prompt_lookup import best_draft_length, expected_tokens, learn
+
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75) and expected_tokens([0.5], 0) == 1.0
+    cpu = [1.0, 1.56, 1.7, 1.8, 1.85]  # verifying 2 tokens costs 1.56 plain steps
+    assert best_draft_length([0.3, 0.7, 0.7, 0.7], cpu, 4) == 0  # not copying: plain steps are faster
+    assert best_draft_length([0.9, 0.9, 0.9, 0.9], cpu, 4) == 4  # copying: the whole match
+    assert best_draft_length([0.9, 0.9, 0.9, 0.9], cpu, 2) == 2  # never beyond the match
+    assert best_draft_length([0.3, 0.7], [1.0, 1.0, 1.0], 2) == 2  # flat verify cost (a GPU): any chance pays
+    acceptance = [0.5, 0.5, 0.5]
+    learn(acceptance, [7, 8, 9], [7, 4], rate=0.5)  # depth 1 hit, depth 2 missed, depth 3 not observed
+    assert acceptance == [0.75, 0.25, 0.5]
+
+
+def test_cost_aware_lookup_stops_drafting_where_it_misses_and_resumes_where_text_repeats():
+    cpu = [1.0, 1.56, 1.7, 1.8, 1.85]
+    proposer = PromptLookupProposer(max_ngram=1, step_costs=cpu)
+    proposer.reset(None, None)
+    context = [1, 2, 3, 4, 1]  # [1] matched: candidate [2, 3, 4, 1]
+    assert proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1 == 4  # the prior says try
+    lengths = []
+    for token in (50, 1, 51, 1, 52, 1, 53, 1):  # after each 1 the target writes something new: drafts stop
+        context.append(token)
+        lengths.append(proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1)
+    assert lengths[1] == 4 and lengths[-1] == 0 and proposer.acceptance[1][0] < 0.3
+    for token in (2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1):  # now the text repeats: learned from plain steps too
+        context.append(token)
+        lengths.append(proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1)
+    assert lengths[-1] > 0
