@@ -72,6 +72,9 @@ def test_batched_rows_equal_plain_greedy_alone(name):
     assert min(s.tau for s in stats) > 1.2, "the perturbed copy must get drafts accepted in every row"
     out, stats = run_batch(model, per_row(PromptLookupProposer(), len(batch)), batch, 40)
     assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
+    by_cost = PromptLookupProposer(step_costs=[1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0])  # each row learns its own length
+    out, stats = run_batch(model, per_row(by_cost, len(batch)), batch, 40)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
 
 @pytest.mark.parametrize("name", PROPOSERS)
