@@ -11,7 +11,7 @@ transformers, greedy identity), and `<output_dir>/summary.json` with one row per
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
 num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
-takes num_speculative_tokens (default 5, or "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
+takes num_speculative_tokens (default 5; "auto": transformers' schedule; "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
 
 Results are rewritten after every prompt, with `<output_dir>/state.json` (the run's identity, records and step
 statistics): rerunning the same configuration reads the finished prompts back and measures only the rest.
@@ -58,7 +58,7 @@ class MethodSpec:
     heads: str | None = None
     method: str = "heads"
     options: HeadsOptions = field(default_factory=HeadsOptions)
-    num_speculative_tokens: int | str = 5  # prompt lookup's draft length or "cost" (heads size themselves)
+    num_speculative_tokens: int | str = 5  # prompt lookup: draft length, "auto" or "cost" (heads size themselves)
 
 
 def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec]:
@@ -80,9 +80,9 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
         options = HeadsOptions(**{k: (str(v) if k == "tree_size" else v) for k, v in entry.items()
                                   if k in _OPTION_KEYS})
         length = entry.get("num_speculative_tokens", 5)
-        if not (length == "cost" or (isinstance(length, int) and length >= 0)):
-            raise ValueError(f"{source}: method {entry['name']!r}: num_speculative_tokens must be an int >= 0 or "
-                             f"'cost', got {length!r}")
+        if not (length in ("cost", "auto") or (isinstance(length, int) and length >= 0)):
+            raise ValueError(f"{source}: method {entry['name']!r}: num_speculative_tokens must be an int >= 0, "
+                             f"'auto' or 'cost', got {length!r}")
         specs.append(MethodSpec(entry["name"], entry.get("heads"), method, options, length))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -134,15 +134,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]
-    proposers, built_info, budgets = {}, {}, {}
+    proposers, built_info, budgets, schedules = {}, {}, {}, {}
     for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
         if spec.method == "prompt_lookup":
-            by_cost = spec.num_speculative_tokens == "cost"
-            budgets[spec.name] = LOOKUP_COST_BUDGET if by_cost else spec.num_speculative_tokens
+            length = spec.num_speculative_tokens
+            by_cost, schedules[spec.name] = length == "cost", length == "auto"
+            budgets[spec.name] = LOOKUP_COST_BUDGET if length in ("cost", "auto") else length
             proposers[spec.name] = PromptLookupProposer(
                 step_costs=lookup_step_costs(target, LOOKUP_COST_BUDGET) if by_cost else None)
-            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, " + (
-                f"length by cost, k <= {LOOKUP_COST_BUDGET})" if by_cost else f"k = {spec.num_speculative_tokens})")}
+            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, " + {
+                "cost": f"length by cost, k <= {LOOKUP_COST_BUDGET})",
+                "auto": f"transformers' schedule from k = 5, k <= {LOOKUP_COST_BUDGET})"}.get(str(length), f"k = {length})")}
             continue
         built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
         proposers[spec.name] = built.proposer
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
     run_hf(model, encoded[0], _hf_config(model, warmup), None)
     def limited(config: DecodeConfig, name: str) -> DecodeConfig:
+        if schedules.get(name):  # prompt lookup 'auto': transformers' grow-by-2 / shrink-by-1 schedule from 5
+            return dataclasses.replace(config, speculation=SpeculationConfig(
+                num_speculative_tokens=5, adaptive=True, max_speculative_tokens=LOOKUP_COST_BUDGET))
         budget = budgets[name]  # 0 when an auto size turned speculation off
         return dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=budget,
                                                                          max_speculative_tokens=max(budget, 1)))

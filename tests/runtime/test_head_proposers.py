@@ -490,10 +490,12 @@ def test_greedy_identical_other_architectures(arch, name):
         assert stats.tau > 1.6
 
 
-def test_bench_heads_compares_methods(tmp_path):
+def test_bench_heads_compares_methods(tmp_path, monkeypatch):
     import json
 
     from runtime.bench_heads import main
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))  # prompt lookup by cost measures a verify curve
 
     model = stories260k()
     for kind in ("medusa", "eagle"):
@@ -505,10 +507,12 @@ def test_bench_heads_compares_methods(tmp_path):
     config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 1\nmax_new_tokens: 24\n"
                       f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nrepeats: 2\nmethods:\n"
                       f"  - {{name: pl, method: prompt_lookup}}\n"
+                      f"  - {{name: pl_auto, method: prompt_lookup, num_speculative_tokens: auto}}\n"
+                      f"  - {{name: pl_cost, method: prompt_lookup, num_speculative_tokens: cost}}\n"
                       f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
                       f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n")
     payload = main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")])  # flag beats config
-    assert [m["method"] for m in payload["methods"]] == ["pl", "medusa3", "eagle2"]
+    assert [m["method"] for m in payload["methods"]] == ["pl", "pl_auto", "pl_cost", "medusa3", "eagle2"]
     assert all(m["greedy_identical"] for m in payload["methods"])
     assert not (tmp_path / "out").exists()
     detail = json.loads((tmp_path / "elsewhere" / "medusa3.json").read_text())
