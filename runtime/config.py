@@ -100,10 +100,11 @@ class GenerateArguments:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
     acceptance: str = field(default="rejection", metadata={"help": f"acceptance rule: {ACCEPTANCE_RULES}"})
-    num_speculative_tokens: str = field(default="5", metadata={
+    num_speculative_tokens: str = field(default="", metadata={
         "help": "draft length k per step; 'auto' (grow by 2 when all accepted, else shrink by 1); or 'cost' (prompt "
                 "lookup: per step the length that pays for its verify on this device, from the measured verify cost "
-                "curve and the acceptance learned so far; 0 = a plain step)"})
+                "curve and the acceptance learned so far; 0 = a plain step). Default: cost for prompt lookup, 5 "
+                "for a draft model"})
     max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto' and 'cost'"})
     draft_tree_branching: str = field(default="", metadata={"help": "draft-model tree: comma-separated top-b "
                                                             "children per depth, e.g. '2,2' (empty = chain)"})
@@ -136,21 +137,28 @@ class GenerateArguments:
         """--num_speculative_tokens K|auto -> SpeculationConfig (with --heads: the proposer's own size)."""
         if self.resolved_method() == "heads":
             return SpeculationConfig(num_speculative_tokens=HEADS_BUDGET, max_speculative_tokens=HEADS_BUDGET)
-        if self.num_speculative_tokens == "auto":
+        length = self.draft_length()
+        if length == "auto":
             return SpeculationConfig(num_speculative_tokens=5, adaptive=True,
                                      max_speculative_tokens=self.max_speculative_tokens)
-        if self.num_speculative_tokens == "cost":
+        if length == "cost":
             if self.resolved_method() != "prompt_lookup":
                 raise ValueError(f"--num_speculative_tokens cost: only for --method prompt_lookup (heads size their "
                                  f"drafts with --tree_size auto), got --method {self.resolved_method()}")
             return SpeculationConfig(num_speculative_tokens=self.max_speculative_tokens,
                                      max_speculative_tokens=self.max_speculative_tokens)
         try:
-            k = int(self.num_speculative_tokens)
+            k = int(length)
         except ValueError:
             raise ValueError(f"--num_speculative_tokens: expected an int, 'auto' or 'cost', got "
                              f"{self.num_speculative_tokens!r}") from None
         return SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=max(k, self.max_speculative_tokens))
+
+    def draft_length(self) -> str:
+        """--num_speculative_tokens as given, or the method's default: 'cost' for prompt lookup, '5' otherwise."""
+        if self.num_speculative_tokens:
+            return str(self.num_speculative_tokens)
+        return "cost" if self.resolved_method() == "prompt_lookup" else "5"
 
     def branching(self) -> tuple[int, ...]:
         """--draft_tree_branching '2,2' -> (2, 2)."""

@@ -270,7 +270,7 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
         return Autoregressive(), None
     if method == "prompt_lookup":
         costs = lookup_step_costs(target, args.speculation().max_speculative_tokens) \
-            if args.num_speculative_tokens == "cost" else None
+            if args.draft_length() == "cost" else None
         return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram, step_costs=costs), None
     if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
         from runtime.proposers.factory import proposer_from_heads
