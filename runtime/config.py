@@ -134,7 +134,8 @@ class GenerateArguments:
         return line
 
     def speculation(self) -> SpeculationConfig:
-        """--num_speculative_tokens K|auto -> SpeculationConfig (with --heads: the proposer's own size)."""
+        """--num_speculative_tokens K|auto|cost -> SpeculationConfig (with --heads: the proposer's own size; with
+        cost the proposer picks its length per step, up to --max_speculative_tokens)."""
         if self.resolved_method() == "heads":
             return SpeculationConfig(num_speculative_tokens=HEADS_BUDGET, max_speculative_tokens=HEADS_BUDGET)
         length = self.draft_length()
