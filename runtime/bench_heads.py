@@ -47,7 +47,6 @@ from runtime.verify_check import prepare_target
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
              "repeats", "methods", "dtype", "exact"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
-LOOKUP_COST_BUDGET = 16  # prompt lookup with num_speculative_tokens: cost drafts at most this many per step
 
 
 @dataclass
@@ -134,21 +133,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]
-    proposers, built_info, budgets, schedules = {}, {}, {}, {}
+    proposers, built_info, speculations = {}, {}, {}
     for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
-        if spec.method == "prompt_lookup":
-            length = spec.num_speculative_tokens
-            by_cost, schedules[spec.name] = length == "cost", length == "auto"
-            budgets[spec.name] = LOOKUP_COST_BUDGET if length in ("cost", "auto") else length
+        if spec.method == "prompt_lookup":  # the draft length as runtime.generate reads --num_speculative_tokens
+            lookup = GenerateArguments(model=model_name, method="prompt_lookup",
+                                       num_speculative_tokens=str(spec.num_speculative_tokens))
+            speculation = speculations[spec.name] = lookup.speculation()
+            by_cost = lookup.draft_length() == "cost"
             proposers[spec.name] = PromptLookupProposer(
-                step_costs=lookup_step_costs(target, LOOKUP_COST_BUDGET) if by_cost else None)
-            built_info[spec.name] = {"description": "prompt lookup (n-gram 1..3, " + {
-                "cost": f"length by cost, k <= {LOOKUP_COST_BUDGET})",
-                "auto": f"transformers' schedule from k = 5, k <= {LOOKUP_COST_BUDGET})"}.get(str(length), f"k = {length})")}
+                step_costs=lookup_step_costs(target, speculation.max_speculative_tokens) if by_cost else None)
+            length = (f"length by cost, k <= {speculation.max_speculative_tokens}" if by_cost else
+                      f"transformers' schedule from k = {speculation.num_speculative_tokens}, k <= "
+                      f"{speculation.max_speculative_tokens}" if speculation.adaptive else
+                      f"k = {speculation.num_speculative_tokens}")
+            built_info[spec.name] = {"description": f"prompt lookup (n-gram 1..3, {length})"}
             continue
         built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
         proposers[spec.name] = built.proposer
-        budgets[spec.name] = built.size
+        speculations[spec.name] = SpeculationConfig(num_speculative_tokens=built.size,  # 0: auto turned it off
+                                                    max_speculative_tokens=max(built.size, 1))
         built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
                                  "auto_rows": built.plan.rows if built.plan else None}
         print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
@@ -157,12 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
     run_hf(model, encoded[0], _hf_config(model, warmup), None)
     def limited(config: DecodeConfig, name: str) -> DecodeConfig:
-        if schedules.get(name):  # prompt lookup 'auto': transformers' grow-by-2 / shrink-by-1 schedule from 5
-            return dataclasses.replace(config, speculation=SpeculationConfig(
-                num_speculative_tokens=5, adaptive=True, max_speculative_tokens=LOOKUP_COST_BUDGET))
-        budget = budgets[name]  # 0 when an auto size turned speculation off
-        return dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=budget,
-                                                                         max_speculative_tokens=max(budget, 1)))
+        return dataclasses.replace(config, speculation=speculations[name])
 
     for name, proposer in proposers.items():
         run_ours(target, proposer, encoded[0], limited(warmup, name))
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain_stats: list = []  # the plain runs' steps give the cost model's 1-token step time
     run_key = {"model": model_name, "dtype": dtype_name, "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
                "prompts": [ids.tolist() for ids in encoded], "methods": {n: _spec_record(specs, n) for n in proposers},
-               "budgets": budgets}
+               "speculation": {n: dataclasses.asdict(v) for n, v in speculations.items()}}
     done = resume_state(output_dir / STATE_FILE, run_key, records, stats, plain_stats)
     if done:
         print(f"[bench_heads] resuming: {done} of {len(encoded)} prompts read back from {output_dir / STATE_FILE}",

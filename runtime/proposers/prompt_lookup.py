@@ -40,11 +40,6 @@ def lookup_match(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: 
     return 0, ids[:0]
 
 
-def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> torch.Tensor:
-    """ids [T] -> the drafted continuation of `lookup_match` (empty [0] if nothing matches)."""
-    return lookup_match(ids, max_ngram, min_ngram, max_tokens)[1]
-
-
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """Tokens a step emits on average when it verifies a chain of k drafts: 1 + sum_j prod_{i<=j} a_i."""
     total, reach = 1.0, 1.0
@@ -96,18 +91,20 @@ class PromptLookupProposer:
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         if max_tokens <= 0:
             return root_only(committed_ids)
-        if self.step_costs is None:
-            continuation = lookup_continuation(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
-            return Draft(tokens=torch.cat([committed_ids[-1:], continuation]), tree=Tree.chain(continuation.numel()))
-        self._learn_from_last_step(committed_ids)
-        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens)
-        if not n:
-            return root_only(committed_ids)
-        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]] + [PRIOR_ACCEPTANCE[1]] * (max_tokens - 1))
-        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (max_tokens - len(acceptance)))
-        self._pending = (n, candidate.tolist(), committed_ids.numel())
-        k = best_draft_length(acceptance, self.step_costs, candidate.numel())
+        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
+        k = candidate.numel()
+        if self.step_costs is not None:
+            self._learn_from_last_step(committed_ids)
+            if n:
+                k = best_draft_length(self._acceptance(n, max_tokens), self.step_costs, k)
+                self._pending = (n, candidate.tolist(), committed_ids.numel())
         return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
+
+    def _acceptance(self, n: int, max_tokens: int) -> list[float]:
+        """This sequence's [a_1, ..., a_max_tokens] for matches of n tokens (the prior where nothing was learned)."""
+        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]])
+        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (max_tokens - len(acceptance)))
+        return acceptance
 
     def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
         if self._pending is None:

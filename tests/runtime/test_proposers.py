@@ -5,7 +5,7 @@ import torch
 from transformers import AutoTokenizer
 
 from runtime.proposers import DraftModelProposer, PromptLookupProposer, check_same_vocabulary
-from runtime.proposers.prompt_lookup import lookup_continuation
+from runtime.proposers.prompt_lookup import lookup_match
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 from tests.tiny_models import STORIES260K, tiny_model
@@ -14,11 +14,11 @@ from tests.tiny_models import STORIES260K, tiny_model
 def test_lookup_prefers_longest_ngram_then_earliest_match():
     ids = torch.tensor([5, 6, 7, 8, 9, 1, 7, 3, 4, 6, 7])
     # 3-gram [4, 6, 7] never occurred; 2-gram [6, 7] did at 1, followed by 8 9 1
-    assert lookup_continuation(ids, 3, 1, 3).tolist() == [8, 9, 1]
-    assert lookup_continuation(ids, 1, 1, 2).tolist() == [8, 9]  # earliest [7]
-    assert lookup_continuation(ids, 3, 3, 4).tolist() == []  # [4, 6, 7] never occurred before
-    assert lookup_continuation(torch.tensor([4]), 3, 1, 4).tolist() == []
-    assert lookup_continuation(torch.tensor([4, 4]), 3, 1, 4).tolist() == [4]
+    assert lookup_match(ids, 3, 1, 3)[1].tolist() == [8, 9, 1]
+    assert lookup_match(ids, 1, 1, 2)[1].tolist() == [8, 9]  # earliest [7]
+    assert lookup_match(ids, 3, 3, 4)[1].tolist() == []  # [4, 6, 7] never occurred before
+    assert lookup_match(torch.tensor([4]), 3, 1, 4)[1].tolist() == []
+    assert lookup_match(torch.tensor([4, 4]), 3, 1, 4)[1].tolist() == [4]
 
 
 def test_prompt_lookup_draft_is_a_chain_rooted_at_the_last_token():
