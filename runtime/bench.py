@@ -317,9 +317,13 @@ def efficiency(method_stats: list[GenerationStats], plain_stats: list[Generation
     tau = sum(step.accepted_length for s in method_stats for step in s.steps) / steps if steps else 1.0
     predicted = None
     if steps and plain_steps:
-        predicted = predicted_speedup(tau, sum(s.verify_time for s in method_stats) / steps,
-                                      sum(s.draft_time for s in method_stats) / steps,
-                                      sum(s.verify_time for s in plain_stats) / plain_steps)
+        calls = len(method_stats)
+        predicted = predicted_speedup(
+            tau, sum(s.verify_time for s in method_stats) / steps, sum(s.draft_time for s in method_stats) / steps,
+            sum(s.verify_time for s in plain_stats) / plain_steps,
+            prefill_seconds=sum(s.prefill_time for s in method_stats) / calls,
+            plain_prefill_seconds=sum(s.prefill_time for s in plain_stats) / len(plain_stats),
+            new_tokens=(steps * tau + calls) / calls)
     return {"draft_share": _share(sum(s.draft_time for s in method_stats), total),
             "verify_share": _share(sum(s.verify_time for s in method_stats), total),
             "overhead_share": _share(sum(s.overhead_time for s in method_stats), total),

@@ -265,18 +265,27 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
     return curve
 
 
-def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float) -> float | None:
-    """The cost model's speed-up over plain decoding: tau * t_plain / (t_verify + t_draft).
+def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float,
+                      prefill_seconds: float = 0.0, plain_prefill_seconds: float = 0.0,
+                      new_tokens: float = 0.0) -> float | None:
+    """The cost model's speed-up over plain decoding.
 
     tau: mean accepted length per step (bonus included); verify_seconds / draft_seconds: mean target forward
     and drafter time per speculative step; plain_seconds: mean target forward of one plain decoding step.
-    Loop overhead and prefill are left out on both sides, so realised / predicted < 1 measures what they
-    (and timing noise) cost. None when a time is not positive.
+    Without a prefill this is the steady state, tau * t_plain / (t_verify + t_draft). With the mean prefill of
+    a call (`prefill_seconds` for the method, `plain_prefill_seconds` for plain decoding) and the mean new tokens
+    per call, it covers whole calls as the bench times them: the prefill yields the first token, the other
+    n - 1 take (n - 1) steps of plain decoding or (n - 1) / tau speculative steps. Loop overhead is left out on
+    both sides, so realised / predicted < 1 measures what it (and timing noise) costs. None when a time is not
+    positive.
     """
     step = verify_seconds + draft_seconds
     if step <= 0 or plain_seconds <= 0:
         return None
-    return tau * plain_seconds / step
+    decoded = max(new_tokens - 1.0, 0.0)
+    if decoded == 0.0:
+        return tau * plain_seconds / step
+    return (plain_prefill_seconds + decoded * plain_seconds) / (prefill_seconds + decoded / tau * step)
 
 
 def chain_expected_tau(per_depth_accuracy: Sequence[float]) -> Callable[[int], float]:

@@ -164,6 +164,13 @@ def test_predicted_speedup_is_tau_times_plain_step_over_step_time():
 
     assert predicted_speedup(3.0, verify_seconds=0.02, draft_seconds=0.01, plain_seconds=0.015) == pytest.approx(1.5)
     assert predicted_speedup(1.0, 0.0, 0.0, 0.01) is None
+    # Whole calls: a 0.1 s prefill (same for both) and 11 new tokens = the prefill's token + 10 decoded ones:
+    # plain 0.1 + 10 x 0.015 = 0.25 s; speculative 0.1 + 10 / 3 x 0.03 = 0.2 s.
+    assert predicted_speedup(3.0, 0.02, 0.01, 0.015, prefill_seconds=0.1, plain_prefill_seconds=0.1,
+                             new_tokens=11) == pytest.approx(1.25)
+    # A prefill pulls the prediction towards 1 from either side.
+    assert predicted_speedup(1.0, 0.02, 0.01, 0.015) == pytest.approx(0.5)
+    assert predicted_speedup(1.0, 0.02, 0.01, 0.015, 0.1, 0.1, 11) == pytest.approx(0.25 / 0.4)
 
 
 def test_batch_bench_modes_identity_and_summary(tmp_path, monkeypatch):
