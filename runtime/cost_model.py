@@ -83,6 +83,11 @@ class CostCurve:
         base = self.seconds_at(1)
         return [s / base for s in self.fitted]
 
+    def relative_to_plain(self, max_tokens: int) -> list[float]:
+        """[cost of a forward over n tokens / cost of 1] for n = 1..max_tokens (interpolated)."""
+        base = self.seconds_at(1)
+        return [self.seconds_at(n) / base for n in range(1, max_tokens + 1)]
+
 
 def isotonic(values: Sequence[float]) -> list[float]:
     """Non-decreasing least-squares fit (pool adjacent violators): [K] -> [K]."""

@@ -116,9 +116,3 @@ class PromptLookupProposer:
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         pass
-
-
-def relative_step_costs(curve, max_tokens: int) -> list[float]:
-    """A measured verify CostCurve -> [cost of verifying n tokens / cost of 1] for n = 1..max_tokens + 1."""
-    base = curve.seconds_at(1)
-    return [curve.seconds_at(n) / base for n in range(1, max_tokens + 2)]

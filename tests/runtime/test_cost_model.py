@@ -25,6 +25,7 @@ def test_interpolation_and_extrapolation():
     assert curve.seconds_at(7) == pytest.approx(3.0)
     assert curve.seconds_at(11) == pytest.approx(5.0)  # slope of the last segment
     assert curve.relative() == pytest.approx([1.0, 2.0, 4.0])
+    assert curve.relative_to_plain(4) == pytest.approx([1.0, 1.25, 1.5, 1.75])  # every n, interpolated
     noisy = CostCurve(tokens=[1, 2, 4, 8], seconds=[2.0, 1.0, 3.0, 2.0])
     assert noisy.fitted == pytest.approx([1.5, 1.5, 2.5, 2.5])  # pooled: never cheaper with more tokens
     assert noisy.seconds_at(2) == pytest.approx(1.5)
