@@ -119,11 +119,28 @@ def resolve_source(name_or_path: str) -> ModelSource:
     return ModelSource(name_or_path)  # a Hub id
 
 
+# Files of a GGUF directory that go into its converted copy besides the weights: the tokenizer's (read by
+# _load_tokenizer) and those copied as they are.
+_COPIED_FILES = ("generation_config.json", "chat_template.jinja")
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", *_COPIED_FILES)
+_EDGE_BYTES = 4 << 20
+
+
 def _converted_path(source: ModelSource) -> Path:
-    gguf = Path(source.name_or_path) / source.gguf_file
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    """The cached copy of a GGUF checkpoint, keyed by content, not by path: the GGUF's size and its first and last
+    4 MiB, and the side files the copy takes (a corrected tokenizer.json changes the key; the same files under
+    another path or checkout share one copy)."""
+    directory = Path(source.name_or_path)
+    gguf = directory / source.gguf_file
+    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(_EDGE_BYTES))
+        f.seek(max(gguf.stat().st_size - _EDGE_BYTES, 0))
+        digest.update(f.read(_EDGE_BYTES))
+    for name in _SIDE_FILES:
+        if (directory / name).is_file():
+            digest.update(f"|{name}|".encode() + (directory / name).read_bytes())
+    return cache_dir() / "converted" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 def _convert_gguf(source: ModelSource) -> Path:
@@ -146,7 +163,7 @@ def _convert_gguf(source: ModelSource) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for extra in ("generation_config.json", "chat_template.jinja"):
+        for extra in _COPIED_FILES:
             if (Path(source.name_or_path) / extra).is_file():
                 shutil.copy(Path(source.name_or_path) / extra, tmp / extra)
         (tmp / "SOURCE").write_text(str((Path(source.name_or_path) / source.gguf_file).resolve()) + "\n")

@@ -18,6 +18,20 @@ def test_gguf_is_converted_once_and_loads_from_the_cached_copy(tmp_path, monkeyp
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
 
 
+def test_the_converted_copy_is_keyed_by_content_not_path(tmp_path):
+    from heads.loading import _converted_path
+
+    gguf = resolve_source(str(SMOLLM2))
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    for f in SMOLLM2.iterdir():
+        (elsewhere / f.name).symlink_to(f.resolve())
+    assert _converted_path(resolve_source(str(elsewhere))) == _converted_path(gguf)  # same files, other path
+    (elsewhere / "tokenizer.json").unlink()
+    (elsewhere / "tokenizer.json").write_text((SMOLLM2 / "tokenizer.json").read_text() + " ")
+    assert _converted_path(resolve_source(str(elsewhere))) != _converted_path(gguf)  # the copy takes it
+
+
 def test_local_directory_and_dtype():
     model = load_model(str(STORIES260K), dtype="fp64")
     assert model.dtype == torch.float64 and not model.training
