@@ -22,8 +22,9 @@ possibly shared machine: compare ratios measured in the same run, not absolute n
 Efficiency (JSON `overall`, printed): every step of our loop is split into draft time (the proposer), verify time
 (the target forward, tree mask included) and overhead (everything else: checks, acceptance, KV compaction,
 bookkeeping); `draft_share` / `verify_share` / `overhead_share` / `prefill_share` are shares of the calls' wall
-time. `predicted_speedup` is the cost model's tau x (plain step) / (verify + draft per step) from the measured
-numbers, `realised_over_predicted` the measured speed-up over it. `--oracle_sizes 1,2,4,8,16` adds the ceiling
+time. `predicted_speedup` is the cost model's speed-up of whole calls from the measured numbers: (prefill + (n - 1)
+plain steps) / (prefill + (n - 1) / tau x (verify + draft per step)), n new tokens per call;
+`realised_over_predicted` the measured speed-up over it (what loop overhead and noise cost). `--oracle_sizes 1,2,4,8,16` adds the ceiling
 table: a drafter that drafts plain decoding's own continuation (every token accepted) per chain length.
 `verify_cost` is the verify cost curve measured from the run's own steps. `--plot out.png` draws speed-ups,
 acceptance per depth and that curve; `--answers_jsonl` writes Spec-Bench answer files (method and
@@ -525,7 +526,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"method {result['config']['method']} ({o['dtype']}): tau {o['tau']:.2f}, acceptance per depth [{rates}], "
           f"greedy_identical: {o['greedy_identical']}")
     print(f"efficiency: speed-up {_fmt(o['speedup_total'], '.2f')}, predicted {_fmt(o['predicted_speedup'], '.2f')}"
-          f" (cost model: tau x plain step / (verify + draft) per step), realised/predicted "
+          f" (cost model: whole calls from the measured prefill, tau and verify / draft / plain step times), realised/predicted "
           f"{_fmt(o['realised_over_predicted'], '.2f')}; time shares draft {o['draft_share']:.3f} / verify "
           f"{o['verify_share']:.3f} / overhead {o['overhead_share']:.3f} / prefill {o['prefill_share']:.3f}")
     cost = result.get("verify_cost", {})
