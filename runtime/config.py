@@ -30,7 +30,8 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
-            raise ValueError(f"--num_speculative_tokens must be >= 0 or 'auto', got {self.num_speculative_tokens}")
+            raise ValueError(f"--num_speculative_tokens must be an int >= 0, 'auto' or 'cost', got "
+                             f"{self.num_speculative_tokens}")
         if not 0 <= self.min_speculative_tokens <= self.max_speculative_tokens:
             raise ValueError("--min_speculative_tokens/--max_speculative_tokens: need 0 <= min <= max, got "
                              f"{self.min_speculative_tokens}, {self.max_speculative_tokens}")
