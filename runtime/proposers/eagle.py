@@ -108,6 +108,11 @@ class EagleProposer:
     def to_target_logits(self, logits: Tensor) -> Tensor:
         return self.vocab.to_target_logits(logits)
 
+    def root_logits(self) -> Tensor | None:
+        """Draft logits [Vd] of the root's children (from the output of the last committed entry), or None
+        before the first propose (runtime.calibration reads the draft's confidence from it)."""
+        return None if self._last is None else self.draft_logits(self._last)
+
     # ---- the proposer protocol -----------------------------------------------------------------------
     @property
     def tree_size(self) -> int:

@@ -1,0 +1,165 @@
+"""Draft confidence vs acceptance of EAGLE heads, and what drafting only when the head is sure would give.
+
+    python -m runtime.calibration --model ../shared/models/smollm2-135m-instruct \
+        --heads outputs/scaling/smollm2/eagle_240000/heads --prompts ../shared/data/mt_bench_question.jsonl \
+        --max_prompts 20 --output_json results/calibration_eagle_smollm2.json
+
+Decodes greedily with the heads (EAGLE-1/2/3) drafting one token per step, and records per step the draft's
+confidence p (the top-1 probability of the root's children, softmax over the draft vocabulary) and whether the
+target accepted that token. Prints the share of steps and their acceptance per confidence bin (EAGLE-2's
+observation: a head's confidence predicts acceptance), then, for thresholds t, the speed-up over plain
+decoding the cost model predicts when only steps with p >= t verify the drafted token and the others are plain
+steps: per step, cost = draft + (verify of 2 tokens if drafted, else 1) in plain-step units (the verify cost
+curve of this device, cached; the draft time measured in the run), tokens = 1 + accepted if drafted, else 1.
+The draft runs on every step (it is what decides), so below the break-even a head cannot pay by gating either.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.proposers.base import Draft
+from runtime.proposers.eagle import EagleProposer
+
+BIN_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
+THRESHOLDS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+@dataclass
+class CalibrationArgs:
+    model: str = field(default="../shared/models/smollm2-135m-instruct", metadata={"help": "Target model."})
+    heads: str = field(default="", metadata={"help": "EAGLE-1/2/3 heads directory (or Hub id)."})
+    prompts: str = field(default="../shared/data/mt_bench_question.jsonl", metadata={
+        "help": "Prompt file (MT-Bench/Spec-Bench JSONL with turns, or JSONL/text: one prompt per row)."})
+    max_prompts: int = field(default=20, metadata={"help": "Prompts decoded (first turns)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens per prompt."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 where fast, else fp32), float32, bfloat16."})
+    num_threads: int = field(default=1, metadata={"help": "torch threads."})
+    output_json: str = field(default="", metadata={"help": "Write the tables here (JSON)."})
+
+
+class ConfidenceRecorder:
+    """A proposer wrapper: proposes one token with the EAGLE proposer and records its confidence; after the
+    step, whether it was accepted. `records` = [(confidence, accepted)] in step order."""
+
+    def __init__(self, proposer: EagleProposer):
+        if not isinstance(proposer, EagleProposer):
+            raise ValueError(f"--heads: confidence calibration needs EAGLE-1/2/3 heads, got a "
+                             f"{type(proposer).__name__}")
+        self.proposer = proposer
+        self.hidden_state_indices = proposer.hidden_state_indices
+        self.records: list[tuple[float, bool]] = []
+        self.measuring_seconds = 0.0  # inside the loop's draft time, not the draft's: subtracted
+        self._confidence: float | None = None
+
+    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.proposer.reset(prompt_ids, prefill_hidden)
+
+    def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        draft = self.proposer.propose(committed_ids, min(max_tokens, 1))
+        start = time.perf_counter()
+        logits = self.proposer.root_logits()  # the draft computed these; recomputing them is not its cost
+        self._confidence = None if logits is None or draft.tokens.numel() < 2 else \
+            float(torch.softmax(logits, dim=-1).max())
+        self.measuring_seconds += time.perf_counter() - start
+        return draft
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        if self._confidence is not None:
+            self.records.append((self._confidence, len(accepted_nodes) > 1))
+        self.proposer.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
+
+
+def confidence_bins(records: Sequence[tuple[float, bool]], edges: Sequence[float] = BIN_EDGES) -> list[dict[str, Any]]:
+    """Per bin [lo, hi) (the last one closed): steps, share of all steps, acceptance rate (None if empty)."""
+    rows = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        last = i == len(edges) - 2
+        inside = [a for p, a in records if lo <= p and (p < hi or (last and p <= hi))]
+        rows.append({"low": lo, "high": hi, "steps": len(inside), "share": len(inside) / max(len(records), 1),
+                     "acceptance": sum(inside) / len(inside) if inside else None})
+    return rows
+
+
+def gated_speedup(records: Sequence[tuple[float, bool]], threshold: float, verify_two: float,
+                  draft: float) -> dict[str, float | None]:
+    """Predicted speed-up over plain decoding when only steps with confidence >= threshold verify their token.
+
+    verify_two: cost of verifying 2 tokens in plain steps; draft: the draft's cost per step in plain steps."""
+    drafted = [a for p, a in records if p >= threshold]
+    steps = len(records)
+    if not steps:
+        return {"threshold": threshold, "drafted_share": None, "acceptance": None, "predicted_speedup": None}
+    tokens = steps + sum(drafted)
+    cost = steps * draft + len(drafted) * verify_two + (steps - len(drafted))
+    return {"threshold": threshold, "drafted_share": len(drafted) / steps,
+            "acceptance": sum(drafted) / len(drafted) if drafted else None, "predicted_speedup": tokens / cost}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from heads.cli import parse_flags
+    from heads.loading import load_model, load_tokenizer
+    from runtime.bench import read_prompts, run_ours
+    from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
+    from runtime.cost_model import verify_cost_curve
+    from runtime.generate import encode_prompt
+    from runtime.proposers.factory import HeadsOptions, proposer_from_heads
+    from runtime.verify_check import prepare_target
+
+    args = parse_flags(CalibrationArgs, argv)
+    if not args.heads:
+        raise ValueError("--heads is required (EAGLE-1/2/3 heads directory)")
+    torch.set_num_threads(args.num_threads)
+    dtype_args = GenerateArguments(model=args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=dtype_args.model_dtype())
+    tokenizer = load_tokenizer(args.model)
+    print(dtype_args.dtype_line(model.dtype), file=sys.stderr)
+    target = prepare_target(model)
+    built = proposer_from_heads(args.heads, target, HeadsOptions(tree_size="1", eagle_tree="static"),
+                                target_name=args.model)
+    recorder = ConfidenceRecorder(built.proposer)
+    curve = verify_cost_curve(target, kv_length=256, max_tokens=2)
+    plain_seconds, verify_two = curve.seconds_at(1), curve.relative_to_plain(2)[1]
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, speculation=SpeculationConfig(num_speculative_tokens=1))
+    draft_seconds = steps = 0
+    for prompt in read_prompts(args.prompts, args.max_prompts):
+        run = run_ours(target, recorder, encode_prompt(tokenizer, [{"role": "user", "content": prompt}]), config)
+        draft_seconds += run.stats.draft_time
+        steps += len(run.stats.steps)
+    draft = (draft_seconds - recorder.measuring_seconds) / max(steps, 1) / plain_seconds
+    records = recorder.records
+    result = {"model": args.model, "heads": args.heads, "dtype": str(model.dtype).removeprefix("torch."),
+              "prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "steps": len(records),
+              "acceptance": sum(a for _, a in records) / max(len(records), 1),
+              "verify_two_tokens_cost": verify_two, "draft_cost": draft,
+              "bins": confidence_bins(records),
+              "gated": [gated_speedup(records, t, verify_two, draft) for t in THRESHOLDS]}
+    print(f"{len(records)} steps, acceptance {result['acceptance']:.3f}; verify of 2 tokens x{verify_two:.2f} a plain "
+          f"step, draft {draft:.3f} of one")
+    print(f"{'confidence':>12} {'share':>6} {'accepted':>8}")
+    for row in result["bins"]:
+        acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
+        print(f"{row['low']:>5.1f}-{row['high']:<5.1f} {row['share']:6.3f} {acc:>8}")
+    print(f"{'draft if p >=':>13} {'drafted':>7} {'accepted':>8} {'predicted speed-up':>18}")
+    for row in result["gated"]:
+        acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
+        print(f"{row['threshold']:>13.2f} {row['drafted_share']:7.3f} {acc:>8} {row['predicted_speedup']:18.3f}")
+    if args.output_json:
+        from runtime.bench import write_json_atomic
+
+        write_json_atomic(Path(args.output_json), result)
+    return result
+
+
+if __name__ == "__main__":
+    from heads.cli import run_cli
+
+    run_cli(main)

@@ -1,0 +1,47 @@
+"""runtime.calibration: draft confidence per step vs acceptance, and the gated speed-up arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from heads import HeadsConfig, build_heads
+from runtime.calibration import confidence_bins, gated_speedup, main
+from tests.tiny_models import DATA, STORIES260K, stories260k
+
+RECORDS = [(0.95, True), (0.92, True), (0.1, False), (0.5, False), (1.0, False)]
+
+
+def test_bins_partition_the_steps():
+    bins = confidence_bins(RECORDS)
+    assert sum(b["steps"] for b in bins) == len(RECORDS)
+    assert [b["steps"] for b in bins] == [1, 0, 1, 0, 0, 3]  # 1.0 falls in the last, closed bin
+    assert bins[-1]["acceptance"] == pytest.approx(2 / 3) and bins[1]["acceptance"] is None
+
+
+def test_gated_speedup_counts_draft_on_every_step_and_verify_only_when_drafted():
+    # p >= 0.9: 3 drafted steps (2 accepted) -> 5 + 2 tokens; cost 5 x 0.05 + 3 x 1.5 + 2 x 1 = 6.75
+    row = gated_speedup(RECORDS, 0.9, verify_two=1.5, draft=0.05)
+    assert row["drafted_share"] == pytest.approx(0.6) and row["acceptance"] == pytest.approx(2 / 3)
+    assert row["predicted_speedup"] == pytest.approx(7 / 6.75)
+    never = gated_speedup(RECORDS, 1.1, verify_two=1.5, draft=0.05)  # drafts nothing, still pays the draft
+    assert never["predicted_speedup"] == pytest.approx(1 / 1.05) and never["acceptance"] is None
+    assert gated_speedup([], 0.5, 1.5, 0.05)["predicted_speedup"] is None
+
+
+def test_cli_records_every_step_of_an_eagle_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model = stories260k()
+    build_heads(HeadsConfig.for_target("eagle", model, str(STORIES260K))).save_pretrained(tmp_path / "eagle")
+    out = tmp_path / "calibration.json"
+    result = main(["--model", str(STORIES260K), "--heads", str(tmp_path / "eagle"), "--prompts",
+                   str(DATA / "tinystories_sample.jsonl"), "--max_prompts", "2", "--max_new_tokens", "12",
+                   "--output_json", str(out)])
+    assert json.loads(out.read_text()) == result
+    # every step but the last of each prompt drafts one token (the last has no budget left): 11 steps at most
+    assert 2 <= result["steps"] <= 22 and sum(b["steps"] for b in result["bins"]) == result["steps"]
+    assert result["verify_two_tokens_cost"] > 0 and result["draft_cost"] > 0
+    build_heads(HeadsConfig.for_target("medusa", model, str(STORIES260K))).save_pretrained(tmp_path / "medusa")
+    with pytest.raises(ValueError, match="--heads: confidence calibration needs EAGLE"):
+        main(["--model", str(STORIES260K), "--heads", str(tmp_path / "medusa"), "--max_prompts", "1"])
