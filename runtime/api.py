@@ -99,17 +99,20 @@ class SpeculativeModel:
     @classmethod
     def from_args(cls, args: GenerateArguments) -> SpeculativeModel:
         from heads.loading import load_model, load_tokenizer
+        from runtime.layout import check_layout
         from runtime.target import SUPPORTED_ATTENTION
         from runtime.verify_check import prepare_target
 
         if args.attn_implementation not in SUPPORTED_ATTENTION:
             raise ValueError(f"--attn_implementation {args.attn_implementation}: an attention backend that ignores "
                              f"custom masks cannot verify candidate trees; use one of {SUPPORTED_ATTENTION}")
+        check_layout(args.weight_layout)
         args.decode_config()
         args.resolved_method()
         tokenizer = load_tokenizer(args.model)
         target = prepare_target(load_model(args.model, dtype=args.model_dtype(),
-                                           attn_implementation=args.attn_implementation, device=args.device))
+                                           attn_implementation=args.attn_implementation, device=args.device),
+                                layout=args.weight_layout)
         print(args.dtype_line(target.dtype), file=sys.stderr)
         proposer, profile = build_drafter(args, target, tokenizer)
         return cls(target, tokenizer, proposer, args, profile)

@@ -56,6 +56,7 @@ from heads.cli import parse_flag_groups
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.cost_model import predicted_speedup
 from runtime.generate import GenerationStats, encode_prompt, generate
+from runtime.layout import as_loaded
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
@@ -258,17 +259,19 @@ def hf_generation_config(model, config: DecodeConfig) -> transformers.Generation
 @torch.inference_mode()
 def run_hf(model, input_ids: torch.Tensor, gen_config: transformers.GenerationConfig, seed: int | None,
            **assisted: Any) -> Run:
-    """transformers' `model.generate` (plain, or assisted with `assistant_model=` / `prompt_lookup_num_tokens=`)."""
+    """transformers' `model.generate` (plain, or assisted with `assistant_model=` / `prompt_lookup_num_tokens=`) as a
+    user runs it: on the weights as loaded (a re-laid target, runtime.layout, is put back for the call, untimed)."""
     ids = input_ids[None].to(model.device)  # [1, T]
     if seed is not None:
         torch.manual_seed(seed)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config, **assisted)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    seconds = time.perf_counter() - start
+    with as_loaded(model):
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config, **assisted)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        seconds = time.perf_counter() - start
     return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds)
 
 

@@ -40,12 +40,13 @@ from runtime.bench import (
 )
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import GenerationStats, StepStats, encode_prompt, lookup_step_costs
+from runtime.layout import layout_of
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.verify_check import prepare_target
 
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
-             "repeats", "methods", "dtype", "exact"}
+             "repeats", "methods", "dtype", "exact", "weight_layout"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
 
 
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "fast, float32 elsewhere)")
     parser.add_argument("--exact", action="store_true", default=None, help="float32, where greedy output is "
                         "token-identical to plain decoding (overrides dtype)")
+    parser.add_argument("--weight_layout", default=None, help="override the config's weight_layout (default auto: "
+                        "runtime.layout)")
     parser.add_argument(DEBUG_FLAG, action="store_true", help="show Python tracebacks of errors")
     args = parser.parse_args(argv)
     path = Path(args.config)
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = load_model(model_name, dtype=dtype_args.model_dtype())
     print(dtype_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and every drafter share it
     dtype_name = str(model.dtype).removeprefix("torch.")
-    target = prepare_target(model)
+    target = prepare_target(model, layout=str(args.weight_layout or config.get("weight_layout", "auto")))
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
     plain_stats: list = []  # the plain runs' steps give the cost model's 1-token step time
-    run_key = {"model": model_name, "dtype": dtype_name, "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
+    run_key = {"model": model_name, "dtype": dtype_name, "weight_layout": layout_of(model),
+               "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
                "prompts": [ids.tolist() for ids in encoded], "methods": {n: _spec_record(specs, n) for n in proposers},
                "speculation": {n: dataclasses.asdict(v) for n, v in speculations.items()}}
     done = resume_state(output_dir / STATE_FILE, run_key, records, stats, plain_stats)

@@ -42,6 +42,7 @@ class CalibrationArgs:
     max_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens per prompt."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where fast, else fp32), float32, bfloat16."})
     num_threads: int = field(default=1, metadata={"help": "torch threads."})
+    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed (runtime.layout)."})
     output_json: str = field(default="", metadata={"help": "Write the tables here (JSON)."})
 
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = load_model(args.model, dtype=dtype_args.model_dtype())
     tokenizer = load_tokenizer(args.model)
     print(dtype_args.dtype_line(model.dtype), file=sys.stderr)
-    target = prepare_target(model)
+    target = prepare_target(model, layout=args.weight_layout)
     built = proposer_from_heads(args.heads, target, HeadsOptions(tree_size="1", eagle_tree="static"),
                                 target_name=args.model)
     recorder = ConfidenceRecorder(built.proposer)

@@ -115,6 +115,9 @@ class GenerateArguments:
                                                 "AMX, float32 elsewhere) / float32 / bfloat16 / float16 / float64"})
     exact: bool = field(default=False, metadata={"help": "force float32, where greedy output is token-identical to "
                                                  "plain greedy decoding (overrides --dtype)"})
+    weight_layout: str = field(default="auto", metadata={
+        "help": "CPU memory layout of the target's Linear weights: auto (measured: transposed storage where its "
+                "1-token step is at least 5 percent faster, as on AVX2 CPUs; cached), rows (as loaded) or transposed"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     seed: int = field(default=0, metadata={"help": "random seed for sampling"})

@@ -159,10 +159,13 @@ def device_name(device: torch.device | str) -> str:
 
 
 def model_fingerprint(model) -> str:
-    """name_or_path plus a hash of the config: two models with the same shapes cost the same."""
+    """name_or_path plus a hash of the config: two models with the same shapes cost the same; '-transposed' when
+    the Linear weights are stored transposed (runtime.layout), which changes the kernels and so the cost."""
+    from runtime.layout import layout_of
+
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
     name = Path(str(getattr(model.config, "_name_or_path", "") or model.config.model_type)).name
-    return f"{name}-{digest}"
+    return f"{name}-{digest}" + ("-transposed" if layout_of(model) == "transposed" else "")
 
 
 def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1) -> Path:

@@ -285,13 +285,20 @@ def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
     return result
 
 
-def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None) -> TargetModel:
+def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None,
+                   layout: str = "auto") -> TargetModel:
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
-    the chosen mode; a refused model raises TargetError naming the model class and why."""
+    the chosen mode, its weights in `layout` (runtime.layout: auto measures which is faster on this CPU); a
+    refused model raises TargetError naming the model class and why."""
+    from runtime.layout import check_layout, choose_layout
+
+    check_layout(layout, "--weight_layout" if flag == "--model" else f"{flag} weight layout")
     result = verify_check(model, use_cache)
     if result.mode == "refused":  # the error line is the verdict
         name = getattr(model.config, "_name_or_path", "") or "(built in memory)"
         raise TargetError(f"{flag} {name} ({type(model).__name__}) cannot be decoded exactly by this runtime: "
                           f"{result.reason}")
     print(result.line(), file=log or sys.stderr)
-    return TargetModel(model, flag=flag, mode=result.mode)
+    target = TargetModel(model, flag=flag, mode=result.mode)
+    choose_layout(target, layout, use_cache, log)
+    return target

@@ -1,0 +1,77 @@
+"""runtime.layout: transposed weight storage changes kernels, not values; auto measures; transformers' reference
+runs on the weights as loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import layout
+from runtime.bench import hf_generation_config, run_hf, run_ours
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.cost_model import model_fingerprint
+from runtime.layout import as_loaded, choose_layout, layout_of, linear_weights, set_layout
+from runtime.proposers import PromptLookupProposer
+from runtime.target import TargetModel
+from tests.tiny_models import stories260k
+
+
+def test_transposed_storage_keeps_values_and_ties():
+    model = stories260k()
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        set_layout(model, "transposed")
+        assert layout_of(model) == "transposed" and model.lm_head.weight is model.model.embed_tokens.weight
+        assert all(not w.is_contiguous() and w.t().is_contiguous() for w in linear_weights(model))
+        after = model(ids).logits
+        set_layout(model, "transposed")  # idempotent
+        assert layout_of(model) == "transposed"
+        set_layout(model, "rows")
+        assert layout_of(model) == "rows" and all(w.is_contiguous() for w in linear_weights(model))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows.*transposed"):
+        set_layout(model, "columns")
+
+
+def test_greedy_identity_against_transformers_on_the_weights_as_loaded():
+    """Our loop (plain and prompt lookup) on transposed weights == transformers' generate on the loaded ones."""
+    model = stories260k()
+    target = TargetModel(model)
+    set_layout(model, "transposed")
+    prompt = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407])
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
+    reference = run_hf(model, prompt, hf_generation_config(model, config), None)
+    assert layout_of(model) == "transposed"  # put back after the reference run
+    ours = run_ours(target, PromptLookupProposer(), prompt, config)
+    assert ours.tokens == reference.tokens and ours.stats.drafted_per_depth[0] > 0  # it drafted
+
+
+def test_as_loaded_restores_the_layout_after_an_error():
+    model = stories260k()
+    set_layout(model, "transposed")
+    with pytest.raises(RuntimeError), as_loaded(model):
+        assert layout_of(model) == "rows"
+        raise RuntimeError("boom")
+    assert layout_of(model) == "transposed"
+
+
+def test_auto_measures_once_and_keys_cost_curves(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = stories260k()
+    target = TargetModel(model)
+    assert choose_layout(target, "auto") == "rows"  # under MIN_PARAMETERS: nothing measured
+    assert not (tmp_path / "layouts").exists()
+    rows_key = model_fingerprint(model)
+    assert choose_layout(target, "transposed") == "transposed" and model_fingerprint(model) == rows_key + "-transposed"
+    monkeypatch.setattr(layout, "MIN_PARAMETERS", 0)
+    chosen = choose_layout(target, "auto")
+    assert [f.suffix for f in (tmp_path / "layouts").iterdir()] == [".json"] and layout_of(model) == chosen
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(layout, "measure_layouts", fail)
+    assert choose_layout(target, "auto") == chosen  # read back: the same kernels on every run
+    with pytest.raises(ValueError, match="--weight_layout"):
+        choose_layout(target, "fast")
