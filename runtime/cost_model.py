@@ -350,6 +350,7 @@ class CostModelArgs:
     random_llama3_8b: bool = field(default=False, metadata={
         "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed (runtime.layout)"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where fast, float32 elsewhere) / float32 / "
                                                 "bfloat16 / float16; curves are cached per dtype"})
     kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})
@@ -411,7 +412,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = load_model(args.model, dtype=args.dtype, device=args.device)
     print(describe_dtype(model.dtype, args.dtype, args.device), file=sys.stderr)
-    curve = verify_cost_curve(TargetModel(model), args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
+    from runtime.layout import choose_layout
+
+    target = TargetModel(model)
+    choose_layout(target, args.weight_layout, use_cache=not args.no_cache)
+    curve = verify_cost_curve(target, args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
     result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
     for q, s, f, r in zip(curve.tokens, curve.seconds, curve.fitted, result["relative"], strict=True):

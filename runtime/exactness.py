@@ -26,6 +26,7 @@ from heads.cli import parse_flag_groups
 from runtime.bench import read_prompts, run_ours, write_json_atomic
 from runtime.config import GenerateArguments
 from runtime.generate import build_proposer, encode_prompt
+from runtime.layout import choose_layout
 from runtime.proposers import Autoregressive
 from runtime.target import TargetModel
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        device=gen_args.device)
     print(gen_args.dtype_line(model.dtype), file=sys.stderr)
     target = TargetModel(model)
+    choose_layout(target, gen_args.weight_layout)
     proposer = build_proposer(gen_args, target, tokenizer)
     records = []
     for i, prompt in enumerate(prompts):
