@@ -96,7 +96,8 @@ def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int 
     """Median seconds of a 1-token forward of `target` in each layout (interleaved rounds); leaves it `rows`."""
     from runtime.cost_model import measure_curve, target_verify_forward
 
-    run = target_verify_forward(target, kv_length)
+    positions = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+    run = target_verify_forward(target, max(1, min(kv_length, positions - 2)))  # within a short context
     samples: dict[str, list[float]] = {"rows": [], "transposed": []}
     for _ in range(rounds):
         for layout in samples:
