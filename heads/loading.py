@@ -132,10 +132,11 @@ def _converted_path(source: ModelSource) -> Path:
     another path or checkout share one copy)."""
     directory = Path(source.name_or_path)
     gguf = directory / source.gguf_file
-    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with open(gguf, "rb") as f:
         digest.update(f.read(_EDGE_BYTES))
-        f.seek(max(gguf.stat().st_size - _EDGE_BYTES, 0))
+        f.seek(max(size - _EDGE_BYTES, 0))
         digest.update(f.read(_EDGE_BYTES))
     for name in _SIDE_FILES:
         if (directory / name).is_file():

@@ -127,6 +127,13 @@ def _measurement_tree(num_tokens: int) -> Tree:
     return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, num_tokens)])
 
 
+def kv_length_within(target: TargetModel, kv_length: int, tokens: int) -> int:
+    """`kv_length`, shortened so that it plus `tokens` verified tokens fits the target's context."""
+    if target.max_positions is None:
+        return kv_length
+    return max(1, min(kv_length, target.max_positions - tokens))
+
+
 def target_verify_forward(target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...] = (),
                           seed: int = 0) -> Callable[[int], None]:
     """A `run_forward(q)` doing one verify forward of q tree tokens through the runtime's target adapter.

@@ -16,10 +16,8 @@ Cost curves are keyed by the layout (runtime.cost_model.model_fingerprint).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -94,10 +92,9 @@ def _cache_path(fingerprint: str, device: str, dtype: str):
 
 def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int = 5) -> dict[str, float]:
     """Median seconds of a 1-token forward of `target` in each layout (interleaved rounds); leaves it `rows`."""
-    from runtime.cost_model import measure_curve, target_verify_forward
+    from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
 
-    positions = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
-    run = target_verify_forward(target, max(1, min(kv_length, positions - 2)))  # within a short context
+    run = target_verify_forward(target, kv_length_within(target, kv_length, 1))
     samples: dict[str, list[float]] = {"rows": [], "transposed": []}
     for _ in range(rounds):
         for layout in samples:
@@ -127,11 +124,9 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     else:
         seconds = measure_layouts(target)
         if use_cache:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"seconds": seconds}, f)
-            os.replace(tmp, path)
+            from runtime.bench import write_json_atomic
+
+            write_json_atomic(path, {"seconds": seconds})
     layout = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
     set_layout(model, layout)
     print(f"weight layout: {layout} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "

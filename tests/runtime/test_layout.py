@@ -65,7 +65,7 @@ def test_auto_measures_once_and_keys_cost_curves(tmp_path, monkeypatch):
     rows_key = model_fingerprint(model)
     assert choose_layout(target, "transposed") == "transposed" and model_fingerprint(model) == rows_key + "-transposed"
     monkeypatch.setattr(layout, "MIN_PARAMETERS", 0)
-    model.config.max_position_embeddings = 64  # measured within the model's context (256 would not fit)
+    target.max_positions = 64  # measured within the model's context (256 would not fit)
     chosen = choose_layout(target, "auto")
     assert [f.suffix for f in (tmp_path / "layouts").iterdir()] == [".json"] and layout_of(model) == chosen
 
