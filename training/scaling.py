@@ -8,7 +8,8 @@ the same epochs for every size (so optimizer steps grow with the tokens: one ste
 `--eval_dataset`. `--jobs J` trains J runs at once (one process and thread each), smallest sizes first. Each run
 lives in `<output_dir>/<method>_<N>` (its output in `<method>_<N>.log`); a run whose final metrics are on disk is not
 run again (kill and rerun to resume). After every run the results JSON is rewritten atomically; at the end a PNG
-shows held-out tau and per-depth top-1 against the data size.
+shows held-out tau and per-depth top-1 against the data size. `--extra_runs` adds finished runs trained elsewhere
+on a larger dataset of the same sources (the long recipe's 1M-token run) when they were held out on the same set.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class ScalingConfig:
     eval_samples: int = _help("Held-out rows evaluated per run.", 80)
     eval_top_k: int = _help("k of the top-k accuracy.", 3)
     extra_flags: str = _help("More flags for every run, e.g. '--learning_rate 3e-4'.", "")
+    extra_runs: str = _help("Comma-separated METHOD=RUN_DIR: finished train_heads runs of another recipe (a larger "
+                            "dataset of the same sources, the same steps-per-token rule) held out on --eval_dataset; "
+                            "added to the results, table and plot with their dataset named.", "")
     output_dir: str = _help("Run directories go here.", "outputs/scaling/smollm2")
     results_json: str = _help("Results (rewritten after every run).", "results/scaling_smollm2.json")
     plot: str = _help("PNG of tau and top-1 per depth vs data size; empty = none.", "results/scaling_smollm2.png")
@@ -63,6 +67,7 @@ class ScalingConfig:
         if self.jobs < 1:
             raise ValueError(f"--jobs: expected >= 1, got {self.jobs}")
         self.caps()
+        self.extra_run_list()
         if "{method}" not in self.recipes:
             raise ValueError(f"--recipes: expected a pattern containing {{method}}, got {self.recipes!r}")
         for method in self.method_list():
@@ -93,6 +98,16 @@ class ScalingConfig:
     def method_list(self) -> list[str]:
         return [m.strip() for m in self.methods.split(",") if m.strip()]
 
+    def extra_run_list(self) -> list[tuple[str, Path]]:
+        extra = []
+        for item in filter(None, (x.strip() for x in self.extra_runs.split(","))):
+            method, _, run_dir = item.partition("=")
+            if method not in METHODS or not run_dir:
+                raise ValueError(f"--extra_runs: expected METHOD=RUN_DIR with METHOD one of {list(METHODS)}, "
+                                 f"got {item!r}")
+            extra.append((method, Path(run_dir)))
+        return extra
+
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
     """The last line of a finished run's metrics.jsonl (the one with training throughput), else None."""
@@ -104,8 +119,8 @@ def final_record(run_dir: Path) -> dict[str, Any] | None:
     return finished[-1] if finished else None
 
 
-def summarise(method: str, size: int, record: dict[str, Any], top_k: int) -> dict[str, Any]:
-    return {"method": method, "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
+def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str) -> dict[str, Any]:
+    return {"method": method, "dataset": dataset, "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
             "train_rows": record.get("train/rows"), "steps": record["step"],
             "top1_per_depth": [round(v, 4) for v in per_depth(record, "top1")],
             f"top{top_k}_per_depth": [round(v, 4) for v in per_depth(record, f"top{top_k}")],
@@ -157,7 +172,8 @@ def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    fig.suptitle(f"data scaling: {Path(config.dataset).name}, held out on {Path(config.eval_dataset).name}")
+    datasets = ", ".join(dict.fromkeys(Path(r["dataset"]).name for r in runs))
+    fig.suptitle(f"data scaling: {datasets}, held out on {Path(config.eval_dataset).name}")
     fig.tight_layout()
     Path(config.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(config.plot, dpi=110)
@@ -166,12 +182,12 @@ def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
 
 def markdown_table(runs: list[dict[str, Any]], top_k: int) -> str:
     """The results as a Markdown table (one row per run), as printed at the end."""
-    lines = [f"| method | training assistant tokens | steps | held-out top-1 per depth | top-{top_k} per depth | "
-             "expected tau | train s |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| method | data | training assistant tokens | steps | held-out top-1 per depth | top-{top_k} per depth | "
+             "expected tau | train s |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         top1 = " ".join(f"{v:.3f}".lstrip("0") for v in r["top1_per_depth"])
         topk = " ".join(f"{v:.3f}".lstrip("0") for v in r[f"top{top_k}_per_depth"])
-        lines.append(f"| {r['method']} | {r['train_tokens']:,} | {r['steps']} | {top1} | {topk} | "
+        lines.append(f"| {r['method']} | {Path(r['dataset']).name} | {r['train_tokens']:,} | {r['steps']} | {top1} | {topk} | "
                      f"{r['expected_tau']:.3f} | {r['train_seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -191,10 +207,30 @@ def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
         if record is None:
             raise ValueError(f"{run_dir}: training finished without final metrics")
         print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
-    row = summarise(method, size, record, config.eval_top_k)
+    row = summarise(method, size, record, config.eval_top_k, config.dataset)
     print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
           f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
     return row
+
+
+def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, Any]:
+    """Summarise a finished run of another recipe, refusing one held out on a different set (not comparable)."""
+    import yaml
+
+    record = final_record(run_dir)
+    settings_path = run_dir / "train_config.yaml"
+    if record is None or not settings_path.is_file():
+        raise FileNotFoundError(f"--extra_runs: {run_dir} holds no finished train_heads run (metrics.jsonl with "
+                                f"final metrics and train_config.yaml)")
+    settings = yaml.safe_load(settings_path.read_text())
+    if settings.get("method") != method:
+        raise ValueError(f"--extra_runs: {run_dir} trained {settings.get('method')!r}, not {method!r}")
+    if Path(settings.get("eval_dataset") or "").resolve() != Path(config.eval_dataset).resolve():
+        raise ValueError(f"--extra_runs: {run_dir} was held out on {settings.get('eval_dataset')!r}, not "
+                         f"--eval_dataset {config.eval_dataset}; its numbers would not be comparable")
+    if record.get("eval/tokens") is None:
+        raise ValueError(f"--extra_runs: {run_dir} has no held-out evaluation in its final metrics")
+    return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings["dataset"])
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -206,7 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for future, key in futures.items():
             done[key] = future.result()
             write_results(config, [done[k] for k in order if k in done])
-    runs = [done[k] for k in order]
+    runs = [done[k] for k in order] + [extra_row(config, m, d) for m, d in config.extra_run_list()]
+    write_results(config, runs)
     if config.plot:
         plot(config, runs)
     print(markdown_table(runs, config.eval_top_k), flush=True)

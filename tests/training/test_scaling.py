@@ -55,6 +55,16 @@ def test_scaling_command_trains_each_size_once_and_resumes(stories_dataset, tmp_
     mtime = (tmp_path / "runs" / "eagle_200" / "metrics.jsonl").stat().st_mtime
     assert main(flags) == runs  # finished runs are read back, not trained again
     assert (tmp_path / "runs" / "eagle_200" / "metrics.jsonl").stat().st_mtime == mtime
+    # a finished run of another recipe held out on the same set joins the results with its own dataset named
+    extra = main(flags + ["--extra_runs", f"eagle={tmp_path / 'runs' / 'eagle_600'}"])
+    assert extra[:2] == runs and len(extra) == 3
+    assert extra[2]["train_tokens"] == runs[1]["train_tokens"] and extra[2]["dataset"] == str(stories_dataset)
+    assert json.loads((tmp_path / "scaling.json").read_text())["runs"] == extra
+    other_eval = [tmp_path / "other" if f == str(stories_dataset) and i == 3 else f for i, f in enumerate(flags)]
+    with pytest.raises(ValueError, match="--extra_runs: .* held out on"):
+        main([str(f) for f in other_eval] + ["--extra_runs", f"eagle={tmp_path / 'runs' / 'eagle_600'}"])
+    with pytest.raises(FileNotFoundError, match="--extra_runs: .*no finished"):
+        main(flags + ["--extra_runs", f"eagle={tmp_path / 'nowhere'}"])
 
 
 def test_size_caps_apply_to_the_methods_run_and_unknown_methods_are_errors(tmp_path):
