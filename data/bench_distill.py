@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from data.distill import DistillConfig, run
-from data.runfiles import atomic_write_json, parse_config
+from data.runfiles import parse_config
+from heads.files import atomic_write_json
 
 
 @dataclass

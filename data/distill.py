@@ -46,7 +46,6 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from data.chat_format import ChatFormat, chat_format, highlight, prompt_ids, tokenize_conversation
 from data.prompts import Conversation, read_conversations
 from data.runfiles import (
-    atomic_write_json,
     check_run_identity,
     parse_config,
     process_state,
@@ -54,6 +53,7 @@ from data.runfiles import (
     temporary_dir,
 )
 from heads.cli import run_cli
+from heads.files import atomic_write_json
 from heads.loading import describe_dtype, load_model, load_tokenizer, model_path
 
 MANIFEST = "manifest.json"

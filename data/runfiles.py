@@ -1,6 +1,7 @@
-"""Small shared pieces of the data CLIs: flag parsing with a YAML recipe, atomic writes, run identity.
+"""Small shared pieces of the data CLIs: flag parsing with a YAML recipe, atomic directories, run identity.
 
-(`data/` is a leaf package; from `heads` it uses only the model loader and the shared flag parser.)
+(`data/` is a leaf package; from `heads` it uses only the model loader, the shared flag parser and
+`heads.files` for atomic file writes.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from heads.cli import parse_flags
+from heads.files import atomic_write_json
 
 T = TypeVar("T")
 RUN_FILE = "run.json"
@@ -23,24 +25,6 @@ RUN_FILE = "run.json"
 def parse_config(cls: type[T], argv: list[str] | None = None) -> T:
     """`--config file.yaml` (defaults) + flags (overrides) -> a validated `cls` instance."""
     return parse_flags(cls, argv)
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_json(path: Path, value: Any) -> Path:
-    return atomic_write_text(path, json.dumps(value, indent=2, sort_keys=False) + "\n")
 
 
 def temporary_dir(beside: Path) -> Path:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
@@ -53,6 +52,7 @@ import torch
 import transformers
 
 from heads.cli import parse_flag_groups
+from heads.files import atomic_write_json, atomic_write_jsonl
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.cost_model import predicted_speedup
 from runtime.generate import GenerationStats, encode_prompt, generate
@@ -472,27 +472,6 @@ def plain_answers_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}-plain{path.suffix}")
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
-
-
-def write_jsonl_atomic(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -655,8 +634,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         if bench_args.answers_jsonl:
             model_id = f"{Path(gen_args.model).name}-{method}-{dtype}"
             decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
-            write_jsonl_atomic(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
-            write_jsonl_atomic(plain_answers_path(bench_args.answers_jsonl),
+            atomic_write_jsonl(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
+            atomic_write_jsonl(plain_answers_path(bench_args.answers_jsonl),
                                spec_bench_answers(transcripts, "plain", f"{Path(gen_args.model).name}-plain-{dtype}",
                                                   decode))
         return result
@@ -687,7 +666,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
                   f"{record['tau']:.2f}, speed-up {_fmt(record['speedup'], '.2f')}, identical "
                   f"{record['greedy_identical']}", file=sys.stderr)
         transcripts.append((question, turn_runs))
-        write_json_atomic(bench_args.output_json, results())  # partial results survive an interrupted run
+        atomic_write_json(bench_args.output_json, results())  # partial results survive an interrupted run
     return results()
 
 
@@ -701,7 +680,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         run, show, plot = run_bench, print_table, plot_bench
     result = run(gen_args, bench_args)
-    write_json_atomic(bench_args.output_json, result)
+    atomic_write_json(bench_args.output_json, result)
     show(result)
     print(f"[bench] wrote {bench_args.output_json}")
     if bench_args.plot:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import yaml
 
+from heads.files import atomic_write_json
 from runtime.bench import (
     _fmt,
     overall_record,
@@ -36,7 +37,6 @@ from runtime.bench import (
     read_prompts,
     run_hf,
     run_ours,
-    write_json_atomic,
 )
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import GenerationStats, StepStats, encode_prompt, lookup_step_costs
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
                                  "repeats": repeats, "num_threads": torch.get_num_threads(), **built_info[name]},
                       "overall": overall, "prompts": records[name]}
-            write_json_atomic(output_dir / f"{name}.json", result)
+            atomic_write_json(output_dir / f"{name}.json", result)
             summary.append({"method": name, "description": built_info[name]["description"],
                             "size": built_info[name].get("size"), "tau": overall["tau"],
                             "acceptance_per_depth": overall["acceptance_per_depth"],
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
         payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
                    "max_new_tokens": decode.max_new_tokens, "methods": summary}
-        write_json_atomic(output_dir / "summary.json", payload)
-        write_json_atomic(output_dir / STATE_FILE, {"run": run_key, "records": records, "plain_stats": [
+        atomic_write_json(output_dir / "summary.json", payload)
+        atomic_write_json(output_dir / STATE_FILE, {"run": run_key, "records": records, "plain_stats": [
             dataclasses.asdict(s) for s in plain_stats], "stats": {n: [dataclasses.asdict(s) for s in stats[n]]
                                                                    for n in proposers}})
         return payload

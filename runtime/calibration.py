@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,9 +153,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
         print(f"{row['threshold']:>13.2f} {row['drafted_share']:7.3f} {acc:>8} {row['predicted_speedup']:18.3f}")
     if args.output_json:
-        from runtime.bench import write_json_atomic
+        from heads.files import atomic_write_json
 
-        write_json_atomic(Path(args.output_json), result)
+        atomic_write_json(args.output_json, result)
     return result
 
 

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from heads.files import atomic_write_json
 from heads.loading import cache_dir
 from runtime.target import TargetModel
 from runtime.tree import Tree
@@ -183,12 +182,7 @@ def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int =
 
 def save_curve(curve: CostCurve, path: str | Path) -> None:
     """Write a curve as JSON atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(curve), f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_json(path, asdict(curve), indent=1)
 
 
 def load_curve(path: str | Path) -> CostCurve:
@@ -440,11 +434,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(plain: {1 / curve.seconds_at(1):.1f})")
         result["auto"] = {"accuracy_table": args.accuracy, "size": choice.size, "rows": choice.rows}
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=Path(args.output).parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.output)
+        atomic_write_json(args.output, result, indent=1)
     if args.plot:
         _plot(curve, args.plot)
 

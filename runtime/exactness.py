@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from heads.cli import parse_flag_groups
-from runtime.bench import read_prompts, run_ours, write_json_atomic
+from heads.files import atomic_write_json
+from runtime.bench import read_prompts, run_ours
 from runtime.config import GenerateArguments
 from runtime.generate import build_proposer, encode_prompt
 from runtime.layout import choose_layout
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "method": gen_args.resolved_method(), "dtype_used": str(model.dtype).removeprefix("torch.")},
               "overall": summarize(records), "prompts": records}
     result["config"].pop("prompt")
-    write_json_atomic(args.output_json, result)
+    atomic_write_json(args.output_json, result)
     o = result["overall"]
     print(f"{result['config']['dtype_used']}, {result['config']['method']}: {o['identical']}/{o['prompts']} prompts "
           f"identical to plain greedy decoding; first divergences at {o['first_divergence_positions']}, plain top-2 "

@@ -124,9 +124,9 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     else:
         seconds = measure_layouts(target)
         if use_cache:
-            from runtime.bench import write_json_atomic
+            from heads.files import atomic_write_json
 
-            write_json_atomic(path, {"seconds": seconds})
+            atomic_write_json(path, {"seconds": seconds})
     layout = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
     set_layout(model, layout)
     print(f"weight layout: {layout} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "

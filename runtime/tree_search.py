@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from heads.files import atomic_write_text
 from runtime.tree import Tree
 
 RankPath = tuple[int, ...]
@@ -207,12 +206,7 @@ def write_tree_file(path: str | Path, paths: Sequence[Sequence[int]], header: st
         lines.append(f"expected_accepted_length: {expected_accepted_length(ordered, table):.4f}")
         lines.append("accuracy:")
         lines.extend("  - [" + ", ".join(f"{a:.4f}" for a in row) + "]" for row in table)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 @dataclass

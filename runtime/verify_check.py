@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from heads.files import atomic_write_json
 from heads.loading import cache_dir
 from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
 from runtime.tree import Tree
@@ -264,12 +263,7 @@ def _read_cached(key: dict[str, str]) -> CheckResult | None:
 
 
 def _write_cached(key: dict[str, str], result: CheckResult) -> None:
-    path = _cache_file(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"key": key, "result": asdict(result)}, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_json(_cache_file(key), {"key": key, "result": asdict(result)}, indent=1)
 
 
 def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:

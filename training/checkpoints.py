@@ -12,10 +12,10 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from heads.files import atomic_write_json
 from training.config import (
     CONFIG_FILE,
     TrainConfig,
-    atomic_write_text,
     config_differences,
     load_saved_config,
     save_config,
@@ -97,7 +97,7 @@ def finalize_checkpoint(tmp: Path, config: TrainConfig, state: TrainerState, kee
     """Main process, after every process wrote `accelerator.save_state(tmp)`: add state and config, rename
     into place, and delete the oldest checkpoints beyond `keep` (0 = keep all). Returns the final path."""
     save_config(config, tmp)
-    atomic_write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
+    atomic_write_json(tmp / STATE_FILE, asdict(state))
     final = checkpoint_path(config.output_dir, state.step)
     if final.exists():
         shutil.rmtree(final)

@@ -9,8 +9,6 @@ ones in `RESUMABLE_FIELDS` (how long to train, how often to log/save, where to r
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import yaml
 
 from heads.cli import parse_flags, read_recipe
+from heads.files import atomic_write_text
 
 METHODS = ("medusa", "medusa2", "eagle", "eagle3", "mtp")
 REPORT_TO = ("none", "wandb", "tensorboard")
@@ -244,18 +243,3 @@ def config_differences(saved: TrainConfig, current: TrainConfig) -> dict[str, tu
     """Fingerprint fields that differ: {field: (saved, current)}."""
     a, b = saved.fingerprint(), current.fingerprint()
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
