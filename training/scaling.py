@@ -145,7 +145,7 @@ def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) 
 
 
 def write_results(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
-    from data.runfiles import atomic_write_json
+    from heads.files import atomic_write_json
 
     atomic_write_json(Path(config.results_json), {"config": asdict(config), "runs": runs})
 
