@@ -106,23 +106,26 @@ def test_cost_aware_lookup_length_pays_for_its_verify():
     assert best_draft_length([0.9, 0.9, 0.9, 0.9], cpu, 4) == 4  # copying: the whole match
     assert best_draft_length([0.9, 0.9, 0.9, 0.9], cpu, 2) == 2  # never beyond the match
     assert best_draft_length([0.3, 0.7], [1.0, 1.0, 1.0], 2) == 2  # flat verify cost (a GPU): any chance pays
+    # a margin: a draft promising 1.1x a plain step's rate is taken at required_gain 1.0, not at 1.2
+    assert best_draft_length([0.76], cpu, 1) == 1 and best_draft_length([0.76], cpu, 1, required_gain=1.2) == 0
+    assert best_draft_length([0.9, 0.9, 0.9, 0.9], cpu, 4, required_gain=1.2) == 4
     acceptance = [0.5, 0.5, 0.5]
     learn(acceptance, [7, 8, 9], [7, 4], rate=0.5)  # depth 1 hit, depth 2 missed, depth 3 not observed
     assert acceptance == [0.75, 0.25, 0.5]
 
 
-def test_cost_aware_lookup_stops_drafting_where_it_misses_and_resumes_where_text_repeats():
+def test_cost_aware_lookup_waits_for_evidence_drafts_where_text_repeats_and_stops_where_it_misses():
     cpu = [1.0, 1.56, 1.7, 1.8, 1.85]
     proposer = PromptLookupProposer(max_ngram=1, step_costs=cpu)
     proposer.reset(None, None)
     context = [1, 2, 3, 4, 1]  # [1] matched: candidate [2, 3, 4, 1]
-    assert proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1 == 4  # the prior says try
+    assert proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1 == 0  # the prior alone does not pay
     lengths = []
+    for token in (2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1):  # the text repeats: learned from plain steps too
+        context.append(token)
+        lengths.append(proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1)
+    assert lengths[-1] == 4 and proposer.acceptance[1][0] > 0.8
     for token in (50, 1, 51, 1, 52, 1, 53, 1):  # after each 1 the target writes something new: drafts stop
         context.append(token)
         lengths.append(proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1)
-    assert lengths[1] == 4 and lengths[-1] == 0 and proposer.acceptance[1][0] < 0.3
-    for token in (2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1):  # now the text repeats: learned from plain steps too
-        context.append(token)
-        lengths.append(proposer.propose(torch.tensor(context), 4).tree.num_nodes - 1)
-    assert lengths[-1] > 0
+    assert lengths[-1] == 0 and proposer.acceptance[1][0] < 0.5
