@@ -83,7 +83,8 @@ class PromptLookupProposer:
 
     hidden_state_indices: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | None = None,
+                 required_gain: float = REQUIRED_GAIN, prior: tuple[float, float] = PRIOR_ACCEPTANCE):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if step_costs is not None and (len(step_costs) < 2 or step_costs[0] <= 0):
@@ -91,6 +92,8 @@ class PromptLookupProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.step_costs = list(step_costs) if step_costs is not None else None
+        self.required_gain = required_gain
+        self.prior = prior
         self.reset(None, None)
 
     def reset(self, prompt_ids: torch.Tensor | None, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
@@ -105,14 +108,15 @@ class PromptLookupProposer:
         if self.step_costs is not None:
             self._learn_from_last_step(committed_ids)
             if n:
-                k = best_draft_length(self._acceptance(n, max_tokens), self.step_costs, k, REQUIRED_GAIN)
+                k = best_draft_length(self._acceptance(n, max_tokens), self.step_costs, k,
+                                      self.required_gain)
                 self._pending = (n, candidate.tolist(), committed_ids.numel())
         return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
 
     def _acceptance(self, n: int, max_tokens: int) -> list[float]:
         """This sequence's [a_1, ..., a_max_tokens] for matches of n tokens (the prior where nothing was learned)."""
-        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]])
-        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (max_tokens - len(acceptance)))
+        acceptance = self.acceptance.setdefault(n, [self.prior[0]])
+        acceptance.extend([self.prior[1]] * (max_tokens - len(acceptance)))
         return acceptance
 
     def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
