@@ -221,7 +221,7 @@ def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, An
     settings_path = run_dir / "train_config.yaml"
     if record is None or not settings_path.is_file():
         raise FileNotFoundError(f"--extra_runs: {run_dir} holds no finished train_heads run (metrics.jsonl with "
-                                f"final metrics and train_config.yaml)")
+                                f"final metrics and train_config.yaml); train it first or leave it out")
     settings = yaml.safe_load(settings_path.read_text())
     if settings.get("method") != method:
         raise ValueError(f"--extra_runs: {run_dir} trained {settings.get('method')!r}, not {method!r}")
@@ -235,6 +235,7 @@ def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_flags(ScalingConfig, argv)
+    extra = [extra_row(config, m, d) for m, d in config.extra_run_list()]  # checked before hours of training
     order = config.runs()
     done: dict[tuple[str, int], dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=config.jobs) as pool:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for future, key in futures.items():
             done[key] = future.result()
             write_results(config, [done[k] for k in order if k in done])
-    runs = [done[k] for k in order] + [extra_row(config, m, d) for m, d in config.extra_run_list()]
+    runs = [done[k] for k in order] + extra
     write_results(config, runs)
     if config.plot:
         plot(config, runs)
