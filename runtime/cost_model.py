@@ -88,6 +88,11 @@ class CostCurve:
         return [self.seconds_at(n) / base for n in range(1, max_tokens + 1)]
 
 
+def describe_relative_costs(costs: Sequence[float]) -> str:
+    """'2: x1.56, 3: x2.15, ...': relative verify costs (costs[n - 1] for n tokens) at a few sizes, for a log line."""
+    return ", ".join(f"{n}: x{costs[n - 1]:.2f}" for n in (2, 3, 5, 9, 17) if n <= len(costs))
+
+
 def isotonic(values: Sequence[float]) -> list[float]:
     """Non-decreasing least-squares fit (pool adjacent violators): [K] -> [K]."""
     blocks: list[list[float]] = []  # [mean, weight]

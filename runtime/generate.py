@@ -293,13 +293,13 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
 def lookup_step_costs(target: TargetModel, max_tokens: int) -> list[float]:
     """Prompt lookup's cost-aware length: the device's verify cost for 1..max_tokens + 1 tokens relative to a plain
     step (measured once per model / device / dtype and cached; `runtime.cost_model`), printed."""
-    from runtime.cost_model import kv_length_within, verify_cost_curve
+    from runtime.cost_model import describe_relative_costs, kv_length_within, verify_cost_curve
 
     kv_length = kv_length_within(target, 256, max_tokens + 1)  # a short-context model is measured within its limit
     curve = verify_cost_curve(target, kv_length=kv_length, max_tokens=max_tokens + 1)
     costs = curve.relative_to_plain(max_tokens + 1)
-    shown = ", ".join(f"{n}: x{costs[n - 1]:.2f}" for n in (2, 3, 5, 9, 17) if n <= len(costs))
-    print(f"[prompt lookup] draft length per step by cost; verify cost vs a plain step {shown}", file=sys.stderr)
+    print(f"[prompt lookup] draft length per step by cost; verify cost vs a plain step "
+          f"{describe_relative_costs(costs)}", file=sys.stderr)
     return costs
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from heads.cli import parse_flags, run_cli
-from runtime.cost_model import load_curve
+from runtime.cost_model import describe_relative_costs, load_curve
 from runtime.proposers.prompt_lookup import PRIOR_ACCEPTANCE, REQUIRED_GAIN, PromptLookupProposer
 
 
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_flags(ReplayArguments, argv)
     curve = load_curve(args.curve)
     step_costs = curve.relative_to_plain(args.max_speculative_tokens + 1)
-    print(f"curve {Path(args.curve).name}: verify cost vs a plain step " +
-          ", ".join(f"{n}: x{step_costs[n - 1]:.2f}" for n in (2, 3, 5, 9, 17) if n <= len(step_costs)))
+    print(f"curve {Path(args.curve).name}: verify cost vs a plain step {describe_relative_costs(step_costs)}")
     rows = []
     for directory in args.answer_dirs():
         pairs = load_answers(directory, args.max_new_tokens)

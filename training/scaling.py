@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,13 +76,7 @@ class ScalingConfig:
                 raise FileNotFoundError(f"--recipes: no recipe {self.recipes.format(method=method)} for method {method}")
 
     def caps(self) -> dict[str, int]:
-        caps = {}
-        for item in filter(None, (x.strip() for x in self.max_tokens.split(","))):
-            method, _, value = item.partition("=")
-            if method not in METHODS or not value.isdigit():
-                raise ValueError(f"--max_tokens: expected METHOD=TOKENS with METHOD one of {list(METHODS)}, "
-                                 f"got {item!r}")
-            caps[method] = int(value)
+        caps = {m: int(n) for m, n in method_items(self.max_tokens, "--max_tokens", "TOKENS", str.isdigit)}
         return {m: n for m, n in caps.items() if m in self.method_list()}  # a config's caps outlive --methods
 
     def runs(self) -> list[tuple[str, int]]:
@@ -99,14 +94,18 @@ class ScalingConfig:
         return [m.strip() for m in self.methods.split(",") if m.strip()]
 
     def extra_run_list(self) -> list[tuple[str, Path]]:
-        extra = []
-        for item in filter(None, (x.strip() for x in self.extra_runs.split(","))):
-            method, _, run_dir = item.partition("=")
-            if method not in METHODS or not run_dir:
-                raise ValueError(f"--extra_runs: expected METHOD=RUN_DIR with METHOD one of {list(METHODS)}, "
-                                 f"got {item!r}")
-            extra.append((method, Path(run_dir)))
-        return extra
+        return [(m, Path(d)) for m, d in method_items(self.extra_runs, "--extra_runs", "RUN_DIR", bool)]
+
+
+def method_items(spec: str, flag: str, value_name: str, valid: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """'METHOD=VALUE,...' -> [(method, value)], each method one of METHODS and each value passing `valid`."""
+    items = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        method, _, value = item.partition("=")
+        if method not in METHODS or not valid(value):
+            raise ValueError(f"{flag}: expected METHOD={value_name} with METHOD one of {list(METHODS)}, got {item!r}")
+        items.append((method, value))
+    return items
 
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
@@ -215,22 +214,20 @@ def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
 
 def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, Any]:
     """Summarise a finished run of another recipe, refusing one held out on a different set (not comparable)."""
-    import yaml
+    from training.config import CONFIG_FILE, load_saved_config
 
-    record = final_record(run_dir)
-    settings_path = run_dir / "train_config.yaml"
-    if record is None or not settings_path.is_file():
+    record, settings = final_record(run_dir), load_saved_config(run_dir)
+    if record is None or settings is None:
         raise FileNotFoundError(f"--extra_runs: {run_dir} holds no finished train_heads run (metrics.jsonl with "
-                                f"final metrics and train_config.yaml); train it first or leave it out")
-    settings = yaml.safe_load(settings_path.read_text())
-    if settings.get("method") != method:
-        raise ValueError(f"--extra_runs: {run_dir} trained {settings.get('method')!r}, not {method!r}")
-    if Path(settings.get("eval_dataset") or "").resolve() != Path(config.eval_dataset).resolve():
-        raise ValueError(f"--extra_runs: {run_dir} was held out on {settings.get('eval_dataset')!r}, not "
+                                f"final metrics and {CONFIG_FILE}); train it first or leave it out")
+    if settings.method != method:
+        raise ValueError(f"--extra_runs: {run_dir} trained {settings.method!r}, not {method!r}")
+    if Path(settings.eval_dataset or "").resolve() != Path(config.eval_dataset).resolve():
+        raise ValueError(f"--extra_runs: {run_dir} was held out on {settings.eval_dataset!r}, not "
                          f"--eval_dataset {config.eval_dataset}; its numbers would not be comparable")
     if record.get("eval/tokens") is None:
         raise ValueError(f"--extra_runs: {run_dir} has no held-out evaluation in its final metrics")
-    return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings["dataset"])
+    return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings.dataset)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
