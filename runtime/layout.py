@@ -24,9 +24,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-LAYOUTS = ("auto", "rows", "transposed")
+LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed")
 MIN_PARAMETERS = 10_000_000
 MIN_GAIN = 0.05
+PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
+VERIFY_PROBE = (2, 4, 8)  # token counts whose summed verify time decides `+packed` under auto
+_PACKED = "_specheads_packed"
 
 
 def check_layout(layout: str, flag: str = "--weight_layout") -> str:
@@ -35,12 +38,15 @@ def check_layout(layout: str, flag: str = "--weight_layout") -> str:
     return layout
 
 
+def linear_modules(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2]
+
+
 def linear_weights(model: nn.Module) -> list[nn.Parameter]:
     """The distinct 2-D weights of the model's nn.Linear layers (a tied LM head once)."""
     seen: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.dim() == 2:
-            seen.setdefault(id(module.weight), module.weight)
+    for module in linear_modules(model):
+        seen.setdefault(id(module.weight), module.weight)
     return list(seen.values())
 
 
@@ -49,21 +55,69 @@ def _is_transposed(weight: torch.Tensor) -> bool:
 
 
 def layout_of(model: nn.Module) -> str:
-    """'transposed' when the model's Linear weights are stored transposed, else 'rows'."""
+    """'rows' / 'transposed' (how the Linear weights are stored), '+packed' when a packed copy serves products of
+    two or more rows."""
     weights = linear_weights(model)
-    return "transposed" if weights and all(_is_transposed(w) for w in weights) else "rows"
+    storage = "transposed" if weights and all(_is_transposed(w) for w in weights) else "rows"
+    packed = any(_PACKED in module.__dict__ for module in linear_modules(model))
+    return storage + ("+packed" if packed else "")
+
+
+def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward with the packed copy for 2+ rows; one row (a decode step) and autograd keep the stored
+    weight, so plain decoding runs exactly the kernels it ran before packing."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows < 2 or torch.is_grad_enabled() or x.dtype != module.weight.dtype:
+        return nn.functional.linear(x, module.weight, module.bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), module.__dict__[_PACKED], module.bias,
+                                             "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _unpack(model: nn.Module) -> None:
+    for module in linear_modules(model):
+        module.__dict__.pop(_PACKED, None)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is _packed_forward:
+            del module.__dict__["forward"]
+
+
+def _pack(model: nn.Module) -> None:
+    weights = linear_weights(model)
+    if not weights:
+        return
+    weight = weights[0]
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        raise ValueError(f"--weight_layout +packed needs a CPU target with oneDNN (mkldnn); this one is on "
+                         f"{weight.device} (mkldnn available: {torch.backends.mkldnn.is_available()})")
+    packed: dict[int, torch.Tensor] = {}
+    for module in linear_modules(model):
+        key = id(module.weight)
+        if key not in packed:
+            try:
+                packed[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
+            except RuntimeError as error:
+                _unpack(model)
+                raise ValueError(f"--weight_layout +packed: oneDNN cannot pack {module.weight.dtype} weights on this "
+                                 f"CPU ({str(error).splitlines()[0]})") from None
+        module.__dict__[_PACKED] = packed[key]
+        module.forward = _packed_forward.__get__(module)
 
 
 @torch.no_grad()
 def set_layout(model: nn.Module, layout: str) -> None:
-    """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time)."""
-    if layout not in ("rows", "transposed"):
-        raise ValueError(f"set_layout: layout must be 'rows' or 'transposed', got {layout!r}")
+    """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time) and, for
+    `...+packed`, add a oneDNN-packed copy of each weight that products of two or more rows use."""
+    if layout not in LAYOUTS[1:]:
+        raise ValueError(f"set_layout: layout must be one of {LAYOUTS[1:]}, got {layout!r}")
+    storage, _, packed = layout.partition("+")
+    _unpack(model)
     for weight in linear_weights(model):
-        if layout == "transposed" and not _is_transposed(weight):
+        if storage == "transposed" and not _is_transposed(weight):
             weight.data = weight.data.t().contiguous().t()
-        elif layout == "rows" and not weight.data.is_contiguous():
+        elif storage == "rows" and not weight.data.is_contiguous():
             weight.data = weight.data.contiguous()
+    if packed:
+        _pack(model)
 
 
 @contextmanager
@@ -91,7 +145,7 @@ def _cache_path(fingerprint: str, device: str, dtype: str):
 
 
 def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of a 1-token forward of `target` in each layout (interleaved rounds); leaves it `rows`."""
+    """Median seconds of a 1-token forward of `target` in each storage (interleaved rounds); leaves it `rows`."""
     from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
 
     run = target_verify_forward(target, kv_length_within(target, kv_length, 1))
@@ -101,6 +155,26 @@ def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int 
             set_layout(target.model, layout)
             samples[layout].append(measure_curve(run, [1], repeats=repeats)[0])
     set_layout(target.model, "rows")
+    return {layout: statistics.median(values) for layout, values in samples.items()}
+
+
+def measure_packing(target, storage: str, kv_length: int = 256, rounds: int = 3,
+                    repeats: int = 5) -> dict[str, float]:
+    """Median seconds of verifying VERIFY_PROBE tokens (summed) on `storage` with and without the packed copy
+    (interleaved rounds); leaves the model in `storage`. Empty when oneDNN cannot pack this model."""
+    from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
+
+    run = target_verify_forward(target, kv_length_within(target, kv_length, max(VERIFY_PROBE)))
+    samples: dict[str, list[float]] = {storage: [], f"{storage}+packed": []}
+    try:
+        for _ in range(rounds):
+            for layout in samples:
+                set_layout(target.model, layout)
+                samples[layout].append(sum(measure_curve(run, list(VERIFY_PROBE), repeats=repeats)))
+    except ValueError:
+        return {}
+    finally:
+        set_layout(target.model, storage)
     return {layout: statistics.median(values) for layout, values in samples.items()}
 
 
@@ -119,16 +193,22 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
 
     set_layout(model, "rows")
     path = _cache_path(model_fingerprint(model), device_name(device), str(model.dtype).removeprefix("torch."))
-    if use_cache and path.is_file():
-        seconds = json.loads(path.read_text())["seconds"]
-    else:
-        seconds = measure_layouts(target)
-        if use_cache:
-            from heads.files import atomic_write_json
+    cached = json.loads(path.read_text()) if use_cache and path.is_file() else {}
+    seconds = cached.get("seconds") or measure_layouts(target)
+    storage = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
+    verify = cached.get("verify_seconds")
+    if verify is None:
+        verify = measure_packing(target, storage)
+    if use_cache and (cached.get("seconds") != seconds or cached.get("verify_seconds") != verify):
+        from heads.files import atomic_write_json
 
-            atomic_write_json(path, {"seconds": seconds})
-    layout = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
+        atomic_write_json(path, {"seconds": seconds, "verify_seconds": verify})
+    packed = f"{storage}+packed"
+    layout = packed if packed in verify and verify[packed] < (1 - MIN_GAIN) * verify[storage] else storage
     set_layout(model, layout)
+    probe = "+".join(map(str, VERIFY_PROBE))
+    packing = (f"; verifying {probe} tokens {verify[storage] * 1e3:.0f} ms, {verify[packed] * 1e3:.0f} ms packed"
+               if packed in verify else "; oneDNN cannot pack these weights")
     print(f"weight layout: {layout} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "
-          f"{seconds['transposed'] * 1e3:.1f} ms transposed)", file=log or sys.stderr)
+          f"{seconds['transposed'] * 1e3:.1f} ms transposed{packing})", file=log or sys.stderr)
     return layout

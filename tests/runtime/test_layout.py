@@ -34,6 +34,49 @@ def test_transposed_storage_keeps_values_and_ties():
         set_layout(model, "columns")
 
 
+@pytest.mark.parametrize("storage", ["rows", "transposed"])
+def test_packed_copy_serves_many_rows_and_keeps_single_row_kernels(storage):
+    """`+packed`: products of 2+ rows through oneDNN's packed copy (same values to rounding), one row and autograd
+    through the stored weight (bit-identical), ties kept, removed cleanly."""
+    model = stories260k()
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, one_before = model(ids).logits, model(ids[:, :1]).logits
+        set_layout(model, f"{storage}+packed")
+        assert layout_of(model) == f"{storage}+packed"
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert all(m.__dict__.get(layout._PACKED) is not None for m in layout.linear_modules(model))
+        after, one_after = model(ids).logits, model(ids[:, :1]).logits
+    if storage == "rows":  # one row: the very kernel it ran before packing
+        assert torch.equal(one_after, one_before)
+    torch.testing.assert_close(one_after, one_before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    loss = model(ids, labels=ids).loss  # grad mode: the stored weight, so training still works
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+    set_layout(model, storage)
+    assert layout_of(model) == storage and "forward" not in model.lm_head.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_greedy_identity_and_tree_parity():
+    """Our loop on packed weights: plain and prompt lookup token-identical to transformers on the loaded weights;
+    the tree verify forward equals per-path forwards."""
+    from runtime.verify_check import check_mode
+
+    model = stories260k()
+    target = TargetModel(model)
+    set_layout(model, "transposed+packed")
+    prompt = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407])
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
+    reference = run_hf(model, prompt, hf_generation_config(model, config), None)
+    assert layout_of(model) == "transposed+packed"
+    ours = run_ours(target, PromptLookupProposer(), prompt, config)
+    assert ours.tokens == reference.tokens and ours.stats.drafted_per_depth[0] > 0
+    assert check_mode(model, "tree") < 1e-4  # tree forward == per-path causal forwards (raises beyond tolerance)
+
+
 def test_greedy_identity_against_transformers_on_the_weights_as_loaded():
     """Our loop (plain and prompt lookup) on transposed weights == transformers' generate on the loaded ones."""
     model = stories260k()
@@ -73,6 +116,9 @@ def test_auto_measures_once_and_keys_cost_curves(tmp_path, monkeypatch):
         raise AssertionError("measured again instead of reading the cache")
 
     monkeypatch.setattr(layout, "measure_layouts", fail)
+    monkeypatch.setattr(layout, "measure_packing", fail)
     assert choose_layout(target, "auto") == chosen  # read back: the same kernels on every run
+    assert choose_layout(target, "rows+packed") == "rows+packed"
+    assert model_fingerprint(model) == rows_key + "-rows+packed"
     with pytest.raises(ValueError, match="--weight_layout"):
         choose_layout(target, "fast")
