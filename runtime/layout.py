@@ -1,40 +1,64 @@
-"""How the target's Linear weights sit in memory on a CPU: as loaded (`rows`: [out, in] row-major) or `transposed`.
+"""How the target's Linear weights sit in memory on a CPU: as loaded (`rows`: [out, in] row-major) or `transposed`,
+each optionally `+packed`.
 
 `transposed` keeps each weight as a [out, in] view of [in, out] contiguous storage, so `F.linear(x, W)` runs
 `x @ W_stored` without a transpose flag and the BLAS picks another kernel for the few-row products of decoding.
-Nothing else changes: same values, same modules, tied weights stay tied (the shared parameter is re-laid once).
-Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the other core busy; the cost model's verify timing
-in both layouts): a 1-token step 79-84 -> 69-73 ms, verifying 2 / 3 tokens 13-18% faster, 4 or more tokens 8-15% slower;
-the 49k-row LM head alone 10.2 -> 5.7 ms at one row. Which layout is faster is a property of the CPU and its BLAS,
-so `auto` measures it: a 1-token forward (plain decoding's step, which every drafter falls back to) in both
-layouts, interleaved, and keeps `transposed` only when it is at least 5% faster. The choice is cached per model,
-device and dtype (deterministic across runs: the kernel decides the rounding). CUDA and models under 10M
-parameters (weights that sit in cache, where the layout does not matter) stay `rows` without measuring.
-Cost curves are keyed by the layout (runtime.cost_model.model_fingerprint).
+`+packed` adds one oneDNN-packed copy of each distinct weight (as many bytes again) that products of two or more
+rows (verify forwards) use; a one-row product (a plain decode step) and anything under autograd keep the stored
+weight and its kernel. Nothing else changes: same values, same modules, tied weights stay tied (the shared
+parameter is re-laid and packed once); output moves by float rounding only.
+Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the cost model's verify timing, KV 256): a 1-token
+step 71 ms as loaded, 56-62 ms transposed; verifying 2 / 4 / 8 tokens 84-90 / 123-138 / 137-156 ms transposed,
+91-95 / 108-114 / 122-132 ms transposed+packed. Which layout is faster is a property of the CPU and its BLAS, so
+`auto` measures it: the storage by a 1-token forward (plain decoding's step, which every drafter falls back to)
+in both storages, interleaved, kept `transposed` only when at least 5% faster; then packing by the summed verify
+time of VERIFY_PROBE tokens with and without the packed copy, kept when at least 5% faster and when the copy
+leaves a quarter of the available memory free. The choice is cached per model, device and dtype (deterministic
+across runs: the kernel decides the rounding). CUDA and models under 10M parameters (weights that sit in cache,
+where the layout does not matter) stay `rows` without measuring. Cost curves are keyed by the layout
+(runtime.cost_model.model_fingerprint).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 
-LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed")
+LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed")  # `+packedN`: packed from N rows
 MIN_PARAMETERS = 10_000_000
 MIN_GAIN = 0.05
 PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
-VERIFY_PROBE = (2, 4, 8)  # token counts whose summed verify time decides `+packed` under auto
+VERIFY_PROBE = (2, 3, 4, 8)  # verify sizes measured with and without packing under auto
 _PACKED = "_specheads_packed"
+_PACKED_ROWS = "_specheads_packed_rows"
+_LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?)?")
+
+
+def parse_layout(layout: str) -> tuple[str, int | None]:
+    """'transposed+packed3' -> ('transposed', 3); '+packed' alone packs from 2 rows; no packing -> None."""
+    match = _LAYOUT.fullmatch(layout)
+    if match is None:
+        raise ValueError(f"not a weight layout: {layout!r}")
+    return match[1], (int(match[3] or 2) if match[2] else None)
+
+
+def layout_name(storage: str, packed_rows: int | None) -> str:
+    return storage + ("" if packed_rows is None else "+packed" + ("" if packed_rows == 2 else str(packed_rows)))
 
 
 def check_layout(layout: str, flag: str = "--weight_layout") -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{flag} must be one of {LAYOUTS}, got {layout!r}")
+    if layout != "auto" and _LAYOUT.fullmatch(layout) is None:
+        raise ValueError(f"{flag} must be one of {LAYOUTS} (`+packedN`: the packed copy from N rows on), "
+                         f"got {layout!r}")
     return layout
 
 
@@ -50,24 +74,48 @@ def linear_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages; None where neither is readable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def packing_fits(model: nn.Module, available: int | None = None) -> tuple[bool, str]:
+    """Whether a packed copy of every Linear weight (as many bytes again) leaves a quarter of the memory now
+    available free; with the reason printed when it does not."""
+    needed = sum(w.numel() * w.element_size() for w in linear_weights(model))
+    available = available_memory_bytes() if available is None else available
+    if available is None or needed <= 0.75 * available:
+        return True, ""
+    return False, f"a packed copy needs {needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+
+
 def _is_transposed(weight: torch.Tensor) -> bool:
     return weight.shape[0] > 1 and weight.shape[1] > 1 and weight.stride() == (1, weight.shape[0])
 
 
 def layout_of(model: nn.Module) -> str:
     """'rows' / 'transposed' (how the Linear weights are stored), '+packed' when a packed copy serves products of
-    two or more rows."""
+    two or more rows ('+packedN': of N or more)."""
     weights = linear_weights(model)
     storage = "transposed" if weights and all(_is_transposed(w) for w in weights) else "rows"
-    packed = any(_PACKED in module.__dict__ for module in linear_modules(model))
-    return storage + ("+packed" if packed else "")
+    packed_rows = next((m.__dict__[_PACKED_ROWS] for m in linear_modules(model) if _PACKED in m.__dict__), None)
+    return layout_name(storage, packed_rows)
 
 
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward with the packed copy for 2+ rows; one row (a decode step) and autograd keep the stored
-    weight, so plain decoding runs exactly the kernels it ran before packing."""
+    """nn.Linear.forward with the packed copy from the module's packed row count on; fewer rows (one row: a decode
+    step) and autograd keep the stored weight, so plain decoding runs exactly the kernels it ran before packing."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows < 2 or torch.is_grad_enabled() or x.dtype != module.weight.dtype:
+    if rows < module.__dict__[_PACKED_ROWS] or torch.is_grad_enabled() or x.dtype != module.weight.dtype:
         return nn.functional.linear(x, module.weight, module.bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), module.__dict__[_PACKED], module.bias,
                                              "none", [], "")
@@ -77,11 +125,12 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _unpack(model: nn.Module) -> None:
     for module in linear_modules(model):
         module.__dict__.pop(_PACKED, None)
+        module.__dict__.pop(_PACKED_ROWS, None)
         if getattr(module.__dict__.get("forward"), "__func__", None) is _packed_forward:
             del module.__dict__["forward"]
 
 
-def _pack(model: nn.Module) -> None:
+def _pack(model: nn.Module, min_rows: int) -> None:
     weights = linear_weights(model)
     if not weights:
         return
@@ -100,24 +149,25 @@ def _pack(model: nn.Module) -> None:
                 raise ValueError(f"--weight_layout +packed: oneDNN cannot pack {module.weight.dtype} weights on this "
                                  f"CPU ({str(error).splitlines()[0]})") from None
         module.__dict__[_PACKED] = packed[key]
+        module.__dict__[_PACKED_ROWS] = min_rows
         module.forward = _packed_forward.__get__(module)
 
 
 @torch.no_grad()
 def set_layout(model: nn.Module, layout: str) -> None:
     """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time) and, for
-    `...+packed`, add a oneDNN-packed copy of each weight that products of two or more rows use."""
-    if layout not in LAYOUTS[1:]:
-        raise ValueError(f"set_layout: layout must be one of {LAYOUTS[1:]}, got {layout!r}")
-    storage, _, packed = layout.partition("+")
+    `...+packed[N]`, add a oneDNN-packed copy of each weight that products of N (default 2) or more rows use."""
+    if layout == "auto" or _LAYOUT.fullmatch(layout) is None:
+        raise ValueError(f"set_layout: layout must be one of {LAYOUTS[1:]} or `+packedN`, got {layout!r}")
+    storage, packed = parse_layout(layout)
     _unpack(model)
     for weight in linear_weights(model):
         if storage == "transposed" and not _is_transposed(weight):
             weight.data = weight.data.t().contiguous().t()
         elif storage == "rows" and not weight.data.is_contiguous():
             weight.data = weight.data.contiguous()
-    if packed:
-        _pack(model)
+    if packed is not None:
+        _pack(model, packed)
 
 
 @contextmanager
@@ -159,23 +209,37 @@ def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int 
 
 
 def measure_packing(target, storage: str, kv_length: int = 256, rounds: int = 3,
-                    repeats: int = 5) -> dict[str, float]:
-    """Median seconds of verifying VERIFY_PROBE tokens (summed) on `storage` with and without the packed copy
+                    repeats: int = 5) -> dict[str, list[float]]:
+    """Median seconds of verifying each of VERIFY_PROBE tokens on `storage` with and without the packed copy
     (interleaved rounds); leaves the model in `storage`. Empty when oneDNN cannot pack this model."""
     from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
 
     run = target_verify_forward(target, kv_length_within(target, kv_length, max(VERIFY_PROBE)))
-    samples: dict[str, list[float]] = {storage: [], f"{storage}+packed": []}
+    samples: dict[str, list[list[float]]] = {storage: [], f"{storage}+packed": []}
     try:
         for _ in range(rounds):
             for layout in samples:
                 set_layout(target.model, layout)
-                samples[layout].append(sum(measure_curve(run, list(VERIFY_PROBE), repeats=repeats)))
+                samples[layout].append(measure_curve(run, list(VERIFY_PROBE), repeats=repeats))
     except ValueError:
         return {}
     finally:
         set_layout(target.model, storage)
-    return {layout: statistics.median(values) for layout, values in samples.items()}
+    return {layout: [statistics.median(size) for size in zip(*rounds_, strict=True)]
+            for layout, rounds_ in samples.items()}
+
+
+def packed_min_rows(probe: tuple[int, ...], stored: list[float], packed: list[float]) -> int | None:
+    """The smallest probe size p from which the packed copy is faster at every probe size >= p and at least
+    MIN_GAIN faster summed over them; None when there is no such size."""
+    rows, base_sum, packed_sum = None, 0.0, 0.0
+    for size, base, fast in reversed(list(zip(probe, stored, packed, strict=True))):
+        if fast >= base:
+            break
+        base_sum, packed_sum = base_sum + base, packed_sum + fast
+        if packed_sum < (1 - MIN_GAIN) * base_sum:
+            rows = size
+    return rows
 
 
 def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=None) -> str:
@@ -184,7 +248,7 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     model = target.model
     if requested != "auto":
         set_layout(model, requested)
-        return requested
+        return layout_of(model)
     device = next(model.parameters()).device
     if device.type != "cpu" or sum(p.numel() for p in model.parameters()) < MIN_PARAMETERS:
         set_layout(model, "rows")
@@ -196,19 +260,26 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     cached = json.loads(path.read_text()) if use_cache and path.is_file() else {}
     seconds = cached.get("seconds") or measure_layouts(target)
     storage = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
-    verify = cached.get("verify_seconds")
-    if verify is None:
+    verify = cached.get("verify_seconds") if cached.get("probe") == list(VERIFY_PROBE) else None
+    fits, why_not = packing_fits(model)
+    if verify is None and fits:  # not measured (nor cached) while a packed copy would not fit: measured later
         verify = measure_packing(target, storage)
     if use_cache and (cached.get("seconds") != seconds or cached.get("verify_seconds") != verify):
         from heads.files import atomic_write_json
 
-        atomic_write_json(path, {"seconds": seconds, "verify_seconds": verify})
+        extra = {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
+        atomic_write_json(path, {"seconds": seconds} | extra)
     packed = f"{storage}+packed"
-    layout = packed if packed in verify and verify[packed] < (1 - MIN_GAIN) * verify[storage] else storage
+    rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
+    layout = layout_name(storage, rows)
     set_layout(model, layout)
-    probe = "+".join(map(str, VERIFY_PROBE))
-    packing = (f"; verifying {probe} tokens {verify[storage] * 1e3:.0f} ms, {verify[packed] * 1e3:.0f} ms packed"
-               if packed in verify else "; oneDNN cannot pack these weights")
+    if not fits:
+        packing = f"; not packed: {why_not}"
+    elif not verify:
+        packing = "; oneDNN cannot pack these weights"
+    else:
+        ms = "/".join(f"{t * 1e3:.0f}" for t in verify[storage]), "/".join(f"{t * 1e3:.0f}" for t in verify[packed])
+        packing = (f"; verifying {'/'.join(map(str, VERIFY_PROBE))} tokens {ms[0]} ms, {ms[1]} ms packed")
     print(f"weight layout: {layout} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "
           f"{seconds['transposed'] * 1e3:.1f} ms transposed{packing})", file=log or sys.stderr)
     return layout

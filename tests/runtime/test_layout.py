@@ -3,6 +3,8 @@ runs on the weights as loaded."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,6 +60,32 @@ def test_packed_copy_serves_many_rows_and_keeps_single_row_kernels(storage):
     assert layout_of(model) == storage and "forward" not in model.lm_head.__dict__
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_from_n_rows_keeps_fewer_rows_on_the_stored_kernel():
+    model = stories260k()
+    ids = torch.randint(0, 512, (1, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        two_before, three_before = model(ids[:, :2]).logits, model(ids).logits
+        set_layout(model, "rows+packed3")
+        assert layout_of(model) == "rows+packed3"
+        assert torch.equal(model(ids[:, :2]).logits, two_before)  # 2 rows: the stored weight's kernel
+        torch.testing.assert_close(model(ids).logits, three_before, rtol=1e-5, atol=1e-5)
+        set_layout(model, "rows+packed2")
+        assert layout_of(model) == "rows+packed"  # 2 is the default and the canonical name drops it
+    for bad in ("rows+packed1", "packed", "rows+packed0", "transposed+pack"):
+        with pytest.raises(ValueError, match="--weight_layout"):
+            layout.check_layout(bad)
+
+
+def test_packed_min_rows_is_where_packing_wins_from_there_on():
+    probe = (2, 3, 4, 8)
+    base = [0.090, 0.100, 0.123, 0.137]
+    assert layout.packed_min_rows(probe, base, [0.095, 0.097, 0.110, 0.123]) == 3
+    assert layout.packed_min_rows(probe, base, [0.080, 0.090, 0.110, 0.120]) == 2
+    assert layout.packed_min_rows(probe, base, [0.080, 0.090, 0.110, 0.138]) is None  # slower at the largest
+    assert layout.packed_min_rows(probe, base, [0.080, 0.101, 0.110, 0.120]) == 4  # slower at 3
+    assert layout.packed_min_rows(probe, base, [0.095, 0.099, 0.121, 0.136]) is None  # under MIN_GAIN in all
 
 
 def test_packed_greedy_identity_and_tree_parity():
@@ -119,6 +147,24 @@ def test_auto_measures_once_and_keys_cost_curves(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "measure_packing", fail)
     assert choose_layout(target, "auto") == chosen  # read back: the same kernels on every run
     assert choose_layout(target, "rows+packed") == "rows+packed"
+    assert choose_layout(target, "rows+packed2") == "rows+packed"
     assert model_fingerprint(model) == rows_key + "-rows+packed"
     with pytest.raises(ValueError, match="--weight_layout"):
         choose_layout(target, "fast")
+
+
+def test_auto_skips_packing_that_would_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = stories260k()
+    needed = sum(w.numel() * w.element_size() for w in linear_weights(model))
+    assert layout.packing_fits(model, available=2 * needed)[0]
+    fits, why = layout.packing_fits(model, available=needed)
+    assert not fits and "GiB available" in why
+    monkeypatch.setattr(layout, "MIN_PARAMETERS", 0)
+    monkeypatch.setattr(layout, "available_memory_bytes", lambda: needed)
+    monkeypatch.setattr(layout, "measure_packing", lambda *a, **k: pytest.fail("measured packing that cannot fit"))
+    target = TargetModel(model)
+    target.max_positions = 64
+    assert not choose_layout(target, "auto").endswith("+packed")
+    saved = json.loads(next((tmp_path / "layouts").iterdir()).read_text())
+    assert "verify_seconds" not in saved  # measured on a later run, when the copy fits
