@@ -56,7 +56,7 @@ from heads.files import atomic_write_json, atomic_write_jsonl
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.cost_model import predicted_speedup
 from runtime.generate import GenerationStats, encode_prompt, generate
-from runtime.layout import as_loaded
+from runtime.layout import as_loaded, layout_of
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
@@ -622,7 +622,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                             "python": platform.python_version(), "num_threads": torch.get_num_threads(),
                             "device": str(target.device), "machine": platform.machine(),
-                            "dtype": dtype},
+                            "dtype": dtype, "weight_layout": layout_of(model)},
             "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
                                       dtype),
             "verify_cost": verify_cost_from_steps(all_stats),

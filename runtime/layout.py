@@ -11,8 +11,9 @@ Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the cost model's ve
 step 71 ms as loaded, 56-62 ms transposed; verifying 2 / 4 / 8 tokens 84-90 / 123-138 / 137-156 ms transposed,
 91-95 / 108-114 / 122-132 ms transposed+packed. Which layout is faster is a property of the CPU and its BLAS, so
 `auto` measures it: the storage by a 1-token forward (plain decoding's step, which every drafter falls back to)
-in both storages, interleaved, kept `transposed` only when at least 5% faster; then packing by the summed verify
-time of VERIFY_PROBE tokens with and without the packed copy, kept when at least 5% faster and when the copy
+in both storages, interleaved, kept `transposed` only when at least 5% faster; then packing by the verify time
+of each VERIFY_PROBE size with and without the packed copy: used from the smallest size where it is faster at
+every larger size and at least 5% faster summed over them (`+packedN`, packed_min_rows), and only when the copy
 leaves a quarter of the available memory free. The choice is cached per model, device and dtype (deterministic
 across runs: the kernel decides the rounding). CUDA and models under 10M parameters (weights that sit in cache,
 where the layout does not matter) stay `rows` without measuring. Cost curves are keyed by the layout
