@@ -41,7 +41,7 @@ class CalibrationArgs:
     max_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens per prompt."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where fast, else fp32), float32, bfloat16."})
     num_threads: int = field(default=1, metadata={"help": "torch threads."})
-    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed (runtime.layout)."})
+    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)."})
     output_json: str = field(default="", metadata={"help": "Write the tables here (JSON)."})
 
 

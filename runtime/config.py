@@ -117,9 +117,10 @@ class GenerateArguments:
                                                  "plain greedy decoding (overrides --dtype)"})
     weight_layout: str = field(default="auto", metadata={
         "help": "CPU memory layout of the target's Linear weights: auto (measured: transposed storage where its "
-                "1-token step is at least 5 percent faster, plus a oneDNN-packed copy for products of 2+ rows where "
-                "it makes verifying 2, 4, 8 tokens at least 5 percent faster; cached), rows (as loaded), transposed, "
-                "rows+packed or transposed+packed (the packed copy costs one more copy of the Linear weights)"})
+                "1-token step is at least 5 percent faster, plus a oneDNN-packed copy for products of N+ rows from "
+                "the verify size (2/3/4/8) where packing wins from there on; cached), rows (as loaded), transposed, "
+                "rows+packed or transposed+packed (from 2 rows), ...+packedN (from N rows); the packed copy costs "
+                "one more copy of the Linear weights"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     seed: int = field(default=0, metadata={"help": "random seed for sampling"})

@@ -171,7 +171,7 @@ def device_name(device: torch.device | str) -> str:
 
 def model_fingerprint(model) -> str:
     """name_or_path plus a hash of the config: two models with the same shapes cost the same; '-transposed' when
-    the Linear weights are stored transposed, '-rows+packed' / '-transposed+packed' with a packed copy
+    the Linear weights are stored transposed, '-rows+packed' / '-transposed+packed3' with a packed copy
     (runtime.layout): the layout changes the kernels and so the cost."""
     from runtime.layout import layout_of
 
@@ -358,7 +358,7 @@ class CostModelArgs:
     random_llama3_8b: bool = field(default=False, metadata={
         "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed (runtime.layout)"})
+    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where fast, float32 elsewhere) / float32 / "
                                                 "bfloat16 / float16; curves are cached per dtype"})
     kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})

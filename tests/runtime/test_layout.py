@@ -168,3 +168,20 @@ def test_auto_skips_packing_that_would_not_fit(tmp_path, monkeypatch):
     assert not choose_layout(target, "auto").endswith("+packed")
     saved = json.loads(next((tmp_path / "layouts").iterdir()).read_text())
     assert "verify_seconds" not in saved  # measured on a later run, when the copy fits
+
+
+def test_bf16_weights_pack_or_are_refused_cleanly():
+    """oneDNN packs bf16 weights only on CPUs with native bf16; elsewhere an error naming the flag, nothing left
+    half-packed."""
+    model = stories260k().to(torch.bfloat16)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(ids).logits.float()
+    try:
+        set_layout(model, "rows+packed")
+    except ValueError as error:
+        assert "--weight_layout +packed" in str(error) and "bfloat16" in str(error)
+        assert layout_of(model) == "rows" and not any(layout._PACKED in m.__dict__ for m in layout.linear_modules(model))
+        return
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), before, rtol=2e-2, atol=2e-2)
