@@ -141,6 +141,8 @@ def _pack(model: nn.Module, min_rows: int) -> None:
                          f"{weight.device} (mkldnn available: {torch.backends.mkldnn.is_available()})")
     packed: dict[int, torch.Tensor] = {}
     for module in linear_modules(model):
+        if "forward" in module.__dict__:  # someone else's wrapper (e.g. accelerate's offload hooks): left as it is
+            continue
         key = id(module.weight)
         if key not in packed:
             try:

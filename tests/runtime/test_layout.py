@@ -185,3 +185,23 @@ def test_bf16_weights_pack_or_are_refused_cleanly():
         return
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits.float(), before, rtol=2e-2, atol=2e-2)
+
+
+def test_packing_leaves_foreign_forward_wrappers_alone():
+    """A Linear whose forward another library replaced (accelerate's hooks do) keeps that forward, unpacked."""
+    model = stories260k()
+    wrapped = model.lm_head
+    calls = []
+
+    def hooked(x, original=wrapped.forward):
+        calls.append(x.shape)
+        return original(x)
+
+    wrapped.forward = hooked
+    set_layout(model, "rows+packed")
+    assert wrapped.__dict__["forward"] is hooked and layout._PACKED not in wrapped.__dict__
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert calls
+    set_layout(model, "rows")
+    assert wrapped.__dict__["forward"] is hooked
