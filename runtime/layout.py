@@ -48,7 +48,7 @@ def parse_layout(layout: str) -> tuple[str, int | None]:
     """'transposed+packed3' -> ('transposed', 3); '+packed' alone packs from 2 rows; no packing -> None."""
     match = _LAYOUT.fullmatch(layout)
     if match is None:
-        raise ValueError(f"not a weight layout: {layout!r}")
+        raise ValueError(f"weight layout must be one of {LAYOUTS[1:]} or `+packedN`, got {layout!r}")
     return match[1], (int(match[3] or 2) if match[2] else None)
 
 
@@ -160,8 +160,6 @@ def _pack(model: nn.Module, min_rows: int) -> None:
 def set_layout(model: nn.Module, layout: str) -> None:
     """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time) and, for
     `...+packed[N]`, add a oneDNN-packed copy of each weight that products of N (default 2) or more rows use."""
-    if layout == "auto" or _LAYOUT.fullmatch(layout) is None:
-        raise ValueError(f"set_layout: layout must be one of {LAYOUTS[1:]} or `+packedN`, got {layout!r}")
     storage, packed = parse_layout(layout)
     _unpack(model)
     for weight in linear_weights(model):

@@ -88,34 +88,22 @@ def test_packed_min_rows_is_where_packing_wins_from_there_on():
     assert layout.packed_min_rows(probe, base, [0.095, 0.099, 0.121, 0.136]) is None  # under MIN_GAIN in all
 
 
-def test_packed_greedy_identity_and_tree_parity():
-    """Our loop on packed weights: plain and prompt lookup token-identical to transformers on the loaded weights;
-    the tree verify forward equals per-path forwards."""
+@pytest.mark.parametrize("weights", ["transposed", "transposed+packed"])
+def test_greedy_identity_against_transformers_on_the_weights_as_loaded(weights):
+    """Our loop (plain and prompt lookup) on re-laid weights == transformers' generate on the loaded ones; the tree
+    verify forward equals per-path forwards."""
     from runtime.verify_check import check_mode
 
     model = stories260k()
     target = TargetModel(model)
-    set_layout(model, "transposed+packed")
+    set_layout(model, weights)
     prompt = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407])
     config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
     reference = run_hf(model, prompt, hf_generation_config(model, config), None)
-    assert layout_of(model) == "transposed+packed"
-    ours = run_ours(target, PromptLookupProposer(), prompt, config)
-    assert ours.tokens == reference.tokens and ours.stats.drafted_per_depth[0] > 0
-    assert check_mode(model, "tree") < 1e-4  # tree forward == per-path causal forwards (raises beyond tolerance)
-
-
-def test_greedy_identity_against_transformers_on_the_weights_as_loaded():
-    """Our loop (plain and prompt lookup) on transposed weights == transformers' generate on the loaded ones."""
-    model = stories260k()
-    target = TargetModel(model)
-    set_layout(model, "transposed")
-    prompt = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407])
-    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
-    reference = run_hf(model, prompt, hf_generation_config(model, config), None)
-    assert layout_of(model) == "transposed"  # put back after the reference run
+    assert layout_of(model) == weights  # put back after the reference run
     ours = run_ours(target, PromptLookupProposer(), prompt, config)
     assert ours.tokens == reference.tokens and ours.stats.drafted_per_depth[0] > 0  # it drafted
+    assert check_mode(model, "tree") < 1e-4  # tree forward == per-path causal forwards (raises beyond tolerance)
 
 
 def test_as_loaded_restores_the_layout_after_an_error():
