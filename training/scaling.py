@@ -10,6 +10,9 @@ lives in `<output_dir>/<method>_<N>` (its output in `<method>_<N>.log`); a run w
 run again (kill and rerun to resume). After every run the results JSON is rewritten atomically; at the end a PNG
 shows held-out tau and per-depth top-1 against the data size. `--extra_runs` adds finished runs trained elsewhere
 on a larger dataset of the same sources (the long recipe's 1M-token run) when they were held out on the same set.
+A run whose directory is gone (a fresh checkout) keeps its row from the existing results JSON when that JSON was
+written with the same data, held-out set, recipes and flags (`--keep_results`, on by default), so one more run does
+not retrain the whole curve.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class ScalingConfig:
     output_dir: str = _help("Run directories go here.", "outputs/scaling/smollm2")
     results_json: str = _help("Results (rewritten after every run).", "results/scaling_smollm2.json")
     plot: str = _help("PNG of tau and top-1 per depth vs data size; empty = none.", "results/scaling_smollm2.png")
+    keep_results: bool = _help("A run whose directory holds no finished run keeps its row from the existing "
+                               "--results_json if that file was written with the same dataset, held-out set, recipes "
+                               "and flags (false: retrain it).", True)
 
     def __post_init__(self) -> None:
         for name in ("dataset", "eval_dataset"):
@@ -118,8 +124,9 @@ def final_record(run_dir: Path) -> dict[str, Any] | None:
     return finished[-1] if finished else None
 
 
-def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str) -> dict[str, Any]:
-    return {"method": method, "dataset": dataset, "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
+def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str, run_dir: Path
+              ) -> dict[str, Any]:
+    return {"method": method, "dataset": dataset, "run_dir": str(run_dir), "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
             "train_rows": record.get("train/rows"), "steps": record["step"],
             "top1_per_depth": [round(v, 4) for v in per_depth(record, "top1")],
             f"top{top_k}_per_depth": [round(v, 4) for v in per_depth(record, f"top{top_k}")],
@@ -191,10 +198,41 @@ def markdown_table(runs: list[dict[str, Any]], top_k: int) -> str:
     return "\n".join(lines)
 
 
-def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
-    """Train (unless finished on disk) and summarise one (method, size) run."""
+# What a curve run's numbers depend on besides its method and size: a kept row must agree on all of them.
+SAME_RUN_KEYS = ("dataset", "features", "eval_dataset", "eval_features", "recipes", "num_epochs", "eval_samples",
+                 "eval_top_k", "extra_flags")
+
+
+def kept_rows(config: ScalingConfig) -> dict[tuple[str, str], dict[str, Any]]:
+    """Rows of the existing --results_json still valid for this config, keyed ("curve" | "extra", run directory).
+
+    Curve rows count only when the file's config agrees on SAME_RUN_KEYS; --extra_runs rows (the file's last ones,
+    one per entry of its extra_runs) only on the held-out set, as their own data and recipe are theirs."""
+    path = Path(config.results_json)
+    if not config.keep_results or not path.is_file():
+        return {}
+    previous = json.loads(path.read_text())
+    before, rows = previous.get("config", {}), previous.get("runs", [])
+    num_extra = len(method_items(before.get("extra_runs", ""), "--extra_runs", "RUN_DIR", bool))
+    same_curve = all(before.get(key) == getattr(config, key) for key in SAME_RUN_KEYS)
+    same_eval = all(before.get(key) == getattr(config, key) for key in ("eval_dataset", "eval_top_k"))
+    kept = {}
+    for i, row in enumerate(rows):
+        kind = "extra" if i >= len(rows) - num_extra else "curve"
+        if "run_dir" in row and (same_eval if kind == "extra" else same_curve):
+            kept[(kind, row["run_dir"])] = row
+    return kept
+
+
+def run_one(config: ScalingConfig, method: str, size: int, kept: dict[tuple[str, str], dict[str, Any]] | None = None
+            ) -> dict[str, Any]:
+    """Train (unless finished on disk, or kept from the results JSON) and summarise one (method, size) run."""
     run_dir = Path(config.output_dir) / f"{method}_{size}"
     record = final_record(run_dir)
+    row = (kept or {}).get(("curve", str(run_dir)))
+    if record is None and row is not None:
+        print(f"[scaling] {method} {size}: {run_dir} is gone; its row is kept from {config.results_json}", flush=True)
+        return row
     if record is None:
         print(f"[scaling] {method}, {size} assistant tokens -> {run_dir}", flush=True)
         started = time.perf_counter()
@@ -206,17 +244,23 @@ def run_one(config: ScalingConfig, method: str, size: int) -> dict[str, Any]:
         if record is None:
             raise ValueError(f"{run_dir}: training finished without final metrics")
         print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
-    row = summarise(method, size, record, config.eval_top_k, config.dataset)
+    row = summarise(method, size, record, config.eval_top_k, config.dataset, run_dir)
     print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
           f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
     return row
 
 
-def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, Any]:
+def extra_row(config: ScalingConfig, method: str, run_dir: Path,
+              kept: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Summarise a finished run of another recipe, refusing one held out on a different set (not comparable)."""
     from training.config import CONFIG_FILE, load_saved_config
 
     record, settings = final_record(run_dir), load_saved_config(run_dir)
+    row = (kept or {}).get(("extra", str(run_dir)))
+    if (record is None or settings is None) and row is not None and row["method"] == method:
+        print(f"[scaling] --extra_runs {method}: {run_dir} is gone; its row is kept from {config.results_json}",
+              flush=True)
+        return row
     if record is None or settings is None:
         raise FileNotFoundError(f"--extra_runs: {run_dir} holds no finished train_heads run (metrics.jsonl with "
                                 f"final metrics and {CONFIG_FILE}); train it first or leave it out")
@@ -227,19 +271,21 @@ def extra_row(config: ScalingConfig, method: str, run_dir: Path) -> dict[str, An
                          f"--eval_dataset {config.eval_dataset}; its numbers would not be comparable")
     if record.get("eval/tokens") is None:
         raise ValueError(f"--extra_runs: {run_dir} has no held-out evaluation in its final metrics")
-    return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings.dataset)
+    return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings.dataset,
+                     run_dir)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_flags(ScalingConfig, argv)
-    extra = [extra_row(config, m, d) for m, d in config.extra_run_list()]  # checked before hours of training
+    kept = kept_rows(config)
+    extra = [extra_row(config, m, d, kept) for m, d in config.extra_run_list()]  # checked before hours of training
     order = config.runs()
     done: dict[tuple[str, int], dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=config.jobs) as pool:
-        futures = {pool.submit(run_one, config, method, size): (method, size) for method, size in order}
+        futures = {pool.submit(run_one, config, method, size, kept): (method, size) for method, size in order}
         for future, key in futures.items():
             done[key] = future.result()
-            write_results(config, [done[k] for k in order if k in done])
+            write_results(config, [done[k] for k in order if k in done] + extra)
     runs = [done[k] for k in order] + extra
     write_results(config, runs)
     if config.plot:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
+from heads.cli import parse_flags
 from tests.tiny_models import STORIES260K
 from training.batching import limit_by_tokens
 
@@ -65,6 +67,18 @@ def test_scaling_command_trains_each_size_once_and_resumes(stories_dataset, tmp_
         main([str(f) for f in other_eval] + ["--extra_runs", f"eagle={tmp_path / 'runs' / 'eagle_600'}"])
     with pytest.raises(FileNotFoundError, match="--extra_runs: .*no finished"):
         main(flags + ["--extra_runs", f"eagle={tmp_path / 'nowhere'}"])
+    # a fresh checkout: the run directories are gone, the results JSON is not; rows are kept, nothing retrains
+    shutil.rmtree(tmp_path / "runs")
+    assert main(flags + ["--extra_runs", f"eagle={tmp_path / 'runs' / 'eagle_600'}"]) == extra
+    assert not (tmp_path / "runs" / "eagle_200").exists()
+    from training.scaling import ScalingConfig, kept_rows
+    config = parse_flags(ScalingConfig, flags + ["--extra_runs", f"eagle={tmp_path / 'runs' / 'eagle_600'}"])
+    assert sorted(kept_rows(config)) == [("curve", str(tmp_path / "runs" / f"eagle_{n}")) for n in (200, 600)] + [
+        ("extra", str(tmp_path / "runs" / "eagle_600"))]
+    changed = parse_flags(ScalingConfig, flags + ["--extra_flags", "--learning_rate 1e-2"])
+    # another recipe flag: the curve's rows are not this config's; the extra run (its own recipe) still is
+    assert list(kept_rows(changed)) == [("extra", str(tmp_path / "runs" / "eagle_600"))]
+    assert kept_rows(parse_flags(ScalingConfig, flags + ["--keep_results", "false"])) == {}
 
 
 def test_size_caps_apply_to_the_methods_run_and_unknown_methods_are_errors(tmp_path):
