@@ -124,9 +124,11 @@ def final_record(run_dir: Path) -> dict[str, Any] | None:
     return finished[-1] if finished else None
 
 
-def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str, run_dir: Path
+def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str, run_dir: Path, kind: str
               ) -> dict[str, Any]:
-    return {"method": method, "dataset": dataset, "run_dir": str(run_dir), "requested_tokens": size, "train_tokens": record.get("train/assistant_tokens"),
+    """One results row; `kind` is "curve" (a run of this curve) or "extra" (an --extra_runs run)."""
+    return {"method": method, "kind": kind, "dataset": dataset, "run_dir": str(run_dir), "requested_tokens": size,
+            "train_tokens": record.get("train/assistant_tokens"),
             "train_rows": record.get("train/rows"), "steps": record["step"],
             "top1_per_depth": [round(v, 4) for v in per_depth(record, "top1")],
             f"top{top_k}_per_depth": [round(v, 4) for v in per_depth(record, f"top{top_k}")],
@@ -204,24 +206,19 @@ SAME_RUN_KEYS = ("dataset", "features", "eval_dataset", "eval_features", "recipe
 
 
 def kept_rows(config: ScalingConfig) -> dict[tuple[str, str], dict[str, Any]]:
-    """Rows of the existing --results_json still valid for this config, keyed ("curve" | "extra", run directory).
+    """Rows of the existing --results_json still valid for this config, keyed (kind, run directory).
 
-    Curve rows count only when the file's config agrees on SAME_RUN_KEYS; --extra_runs rows (the file's last ones,
-    one per entry of its extra_runs) only on the held-out set, as their own data and recipe are theirs."""
+    Curve rows count only when the file's config agrees on SAME_RUN_KEYS; --extra_runs rows only on the held-out
+    set, as their own data and recipe are theirs."""
     path = Path(config.results_json)
     if not config.keep_results or not path.is_file():
         return {}
     previous = json.loads(path.read_text())
-    before, rows = previous.get("config", {}), previous.get("runs", [])
-    num_extra = len(method_items(before.get("extra_runs", ""), "--extra_runs", "RUN_DIR", bool))
-    same_curve = all(before.get(key) == getattr(config, key) for key in SAME_RUN_KEYS)
-    same_eval = all(before.get(key) == getattr(config, key) for key in ("eval_dataset", "eval_top_k"))
-    kept = {}
-    for i, row in enumerate(rows):
-        kind = "extra" if i >= len(rows) - num_extra else "curve"
-        if "run_dir" in row and (same_eval if kind == "extra" else same_curve):
-            kept[(kind, row["run_dir"])] = row
-    return kept
+    before = previous.get("config", {})
+    valid = {"curve": all(before.get(key) == getattr(config, key) for key in SAME_RUN_KEYS),
+             "extra": all(before.get(key) == getattr(config, key) for key in ("eval_dataset", "eval_top_k"))}
+    return {(row["kind"], row["run_dir"]): row for row in previous.get("runs", [])
+            if valid.get(row.get("kind")) and "run_dir" in row}
 
 
 def run_one(config: ScalingConfig, method: str, size: int, kept: dict[tuple[str, str], dict[str, Any]] | None = None
@@ -244,7 +241,7 @@ def run_one(config: ScalingConfig, method: str, size: int, kept: dict[tuple[str,
         if record is None:
             raise ValueError(f"{run_dir}: training finished without final metrics")
         print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
-    row = summarise(method, size, record, config.eval_top_k, config.dataset, run_dir)
+    row = summarise(method, size, record, config.eval_top_k, config.dataset, run_dir, "curve")
     print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
           f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
     return row
@@ -272,7 +269,7 @@ def extra_row(config: ScalingConfig, method: str, run_dir: Path,
     if record.get("eval/tokens") is None:
         raise ValueError(f"--extra_runs: {run_dir} has no held-out evaluation in its final metrics")
     return summarise(method, int(record["train/assistant_tokens"]), record, config.eval_top_k, settings.dataset,
-                     run_dir)
+                     run_dir, "extra")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
