@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from runtime.layout import LAYOUT_HELP
 from runtime.proposers.base import Draft
 from runtime.proposers.eagle import EagleProposer
 
@@ -41,7 +42,7 @@ class CalibrationArgs:
     max_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens per prompt."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where fast, else fp32), float32, bfloat16."})
     num_threads: int = field(default=1, metadata={"help": "torch threads."})
-    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)."})
+    weight_layout: str = field(default="auto", metadata={"help": LAYOUT_HELP})
     output_json: str = field(default="", metadata={"help": "Write the tables here (JSON)."})
 
 

@@ -38,6 +38,7 @@ import torch
 
 from heads.files import atomic_write_json
 from heads.loading import cache_dir
+from runtime.layout import LAYOUT_HELP
 from runtime.target import TargetModel
 from runtime.tree import Tree
 
@@ -358,7 +359,7 @@ class CostModelArgs:
     random_llama3_8b: bool = field(default=False, metadata={
         "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    weight_layout: str = field(default="auto", metadata={"help": "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)"})
+    weight_layout: str = field(default="auto", metadata={"help": LAYOUT_HELP})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where fast, float32 elsewhere) / float32 / "
                                                 "bfloat16 / float16; curves are cached per dtype"})
     kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed")  # `+packedN`: packed from N rows
+LAYOUT_HELP = "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)"  # CLI flag help
 MIN_PARAMETERS = 10_000_000
 MIN_GAIN = 0.05
 PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
