@@ -90,6 +90,19 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
     return specs
 
 
+def read_config(path: Path) -> tuple[dict[str, Any], list[MethodSpec]]:
+    """The bench YAML -> (run keys, method specs); FileNotFoundError/ValueError naming --config and the key."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    config = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: expected a mapping of run keys, got {type(config).__name__}")
+    unknown = sorted(set(config) - _RUN_KEYS)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown key(s) {unknown}; allowed {sorted(_RUN_KEYS)}")
+    return config, parse_methods(config.get("methods"), f"--config {path}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import argparse
 
@@ -110,14 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "runtime.layout)")
     parser.add_argument(DEBUG_FLAG, action="store_true", help="show Python tracebacks of errors")
     args = parser.parse_args(argv)
-    path = Path(args.config)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
-    config = yaml.safe_load(path.read_text()) or {}
-    unknown = sorted(set(config) - _RUN_KEYS)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown key(s) {unknown}; allowed {sorted(_RUN_KEYS)}")
-    specs = parse_methods(config.get("methods"), f"--config {path}")
+    config, specs = read_config(Path(args.config))
     model_name = config.get("model", "../shared/models/smollm2-135m-instruct")
     max_prompts = args.max_prompts or int(config.get("max_prompts", 8))
     output_dir = Path(args.output_dir or config.get("output_dir", "outputs/bench/heads"))

@@ -522,6 +522,34 @@ def test_bench_heads_compares_methods(tmp_path, monkeypatch):
         main(["--config", str(config)])
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("bench_heads_*.yaml")))
+def test_bench_heads_configs_parse(name):
+    """Every committed bench config has only known keys and valid methods, and the tree files it names exist."""
+    from pathlib import Path
+
+    from runtime.bench_heads import read_config
+
+    config, specs = read_config(REPO / "configs" / name)
+    assert specs and config["methods"]
+    for spec in specs:
+        if spec.options.tree:
+            assert (REPO / spec.options.tree).is_file() or Path(spec.options.tree).is_file(), spec.options.tree
+
+
+def test_bench_heads_config_errors_name_the_flag(tmp_path):
+    from runtime.bench_heads import read_config
+
+    with pytest.raises(FileNotFoundError, match="--config"):
+        read_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="--config .*expected a mapping"):
+        read_config(bad)
+    bad.write_text("methods: []\n")
+    with pytest.raises(ValueError, match="non-empty list"):
+        read_config(bad)
+
+
 def test_bench_heads_resumes_from_its_state(tmp_path, capsys):
     """A cut run keeps its prompts: a rerun reads them back (same numbers) and measures only the rest; a state of
     another configuration is not mixed in."""
