@@ -29,13 +29,17 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
 def read_recipe(path: str | Path, classes: tuple[type, ...]) -> dict[str, Any]:
     """A flat YAML recipe -> {field: value}; raises naming the file for a missing file or an unknown key."""
+    return read_config_mapping(path, {f.name for cls in classes for f in dataclasses.fields(cls)})
+
+
+def read_config_mapping(path: str | Path, names: set[str]) -> dict[str, Any]:
+    """A YAML mapping whose keys must be among `names` -> dict; raises naming --config and the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     values = yaml.safe_load(path.read_text()) or {}
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
-    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {unknown}; expected some of {sorted(names)}")

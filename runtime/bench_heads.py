@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
+from heads.cli import read_config_mapping
 from heads.files import atomic_write_json
 from runtime.bench import (
     _fmt,
@@ -92,14 +92,7 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
 
 def read_config(path: Path) -> tuple[dict[str, Any], list[MethodSpec]]:
     """The bench YAML -> (run keys, method specs); FileNotFoundError/ValueError naming --config and the key."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
-    config = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: expected a mapping of run keys, got {type(config).__name__}")
-    unknown = sorted(set(config) - _RUN_KEYS)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown key(s) {unknown}; allowed {sorted(_RUN_KEYS)}")
+    config = read_config_mapping(path, _RUN_KEYS)
     return config, parse_methods(config.get("methods"), f"--config {path}")
 
 
