@@ -1,11 +1,14 @@
 """How the target's Linear weights sit in memory on a CPU: as loaded (`rows`: [out, in] row-major) or `transposed`,
-each optionally `+packed`.
+each optionally `+packed` or `+panels`.
 
 `transposed` keeps each weight as a [out, in] view of [in, out] contiguous storage, so `F.linear(x, W)` runs
 `x @ W_stored` without a transpose flag and the BLAS picks another kernel for the few-row products of decoding.
 `+packed` adds one oneDNN-packed copy of each distinct weight (as many bytes again) that products of two or more
 rows (verify forwards) use; a one-row product (a plain decode step) and anything under autograd keep the stored
-weight and its kernel. Nothing else changes: same values, same modules, tied weights stay tied (the shared
+weight and its kernel. `+panels` instead adds a copy in the 8-column panels of our compiled small-row kernel
+(runtime.kernels), which serves every product of 1 to PANEL_MAX_ROWS rows (decode steps and verify forwards alike)
+reading the weight once, so a verify of 2-8 tokens costs about what one token costs; more rows (prefill) and
+autograd keep the stored weight. Nothing else changes: same values, same modules, tied weights stay tied (the shared
 parameter is re-laid and packed once); output moves by float rounding only.
 Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the cost model's verify timing, KV 256): a 1-token
 step 71 ms as loaded, 56-62 ms transposed; verifying 2 / 4 / 8 tokens 84-90 / 123-138 / 137-156 ms transposed,
@@ -15,7 +18,10 @@ in both storages, interleaved, kept `transposed` only when at least 5% faster; t
 of each VERIFY_PROBE size with and without the packed copy: used from the smallest size where it is faster at
 every larger size and at least 5% faster summed over them (`+packedN`, packed_min_rows), and only when the copy
 leaves a quarter of the available memory free. The choice is cached per model, device and dtype (deterministic
-across runs: the kernel decides the rounding). CUDA and models under 10M parameters (weights that sit in cache,
+across runs: the kernel decides the rounding). Auto then measures `storage+panels` against
+that choice on a 1-token step and the VERIFY_PROBE verifies, interleaved, and takes it when it is at least 5% faster
+summed over them and not slower (by more than 5%) at 1 token: plain decoding runs on it too. CUDA and models under
+10M parameters (weights that sit in cache,
 where the layout does not matter) stay `rows` without measuring. Cost curves are keyed by the layout
 (runtime.cost_model.model_fingerprint).
 """
@@ -34,26 +40,33 @@ from pathlib import Path
 import torch
 from torch import nn
 
-LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed")  # `+packedN`: packed from N rows
-LAYOUT_HELP = "auto / rows / transposed / rows+packed / transposed+packed / ...+packedN (runtime.layout)"  # CLI flag help
+LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels")
+LAYOUT_HELP = ("auto / rows / transposed / rows+packed / transposed+packed / ...+packedN / rows+panels / "
+               "transposed+panels (runtime.layout)")  # CLI flag help; `+packedN`: the packed copy from N rows
 MIN_PARAMETERS = 10_000_000
 MIN_GAIN = 0.05
 PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
 VERIFY_PROBE = (2, 3, 4, 8)  # verify sizes measured with and without packing under auto
+PANEL_PROBE = (1, *VERIFY_PROBE)  # and with panels (their 1-token step is plain decoding's too)
 _PACKED = "_specheads_packed"
 _PACKED_ROWS = "_specheads_packed_rows"
-_LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?)?")
+_PANELS = "_specheads_panels"
+_LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?|\+panels)?")
 
 
-def parse_layout(layout: str) -> tuple[str, int | None]:
-    """'transposed+packed3' -> ('transposed', 3); '+packed' alone packs from 2 rows; no packing -> None."""
+def parse_layout(layout: str) -> tuple[str, int | None, bool]:
+    """'transposed+packed3' -> ('transposed', 3, False); '+packed' alone packs from 2 rows; no packing -> None;
+    'rows+panels' -> ('rows', None, True)."""
     match = _LAYOUT.fullmatch(layout)
     if match is None:
         raise ValueError(f"weight layout must be one of {LAYOUTS[1:]} or `+packedN`, got {layout!r}")
-    return match[1], (int(match[3] or 2) if match[2] else None)
+    panels = match[2] == "+panels"
+    return match[1], (int(match[3] or 2) if match[2] and not panels else None), panels
 
 
-def layout_name(storage: str, packed_rows: int | None) -> str:
+def layout_name(storage: str, packed_rows: int | None, panels: bool = False) -> str:
+    if panels:
+        return storage + "+panels"
     return storage + ("" if packed_rows is None else "+packed" + ("" if packed_rows == 2 else str(packed_rows)))
 
 
@@ -91,13 +104,13 @@ def available_memory_bytes() -> int | None:
 
 
 def packing_fits(model: nn.Module, available: int | None = None) -> tuple[bool, str]:
-    """Whether a packed copy of every Linear weight (as many bytes again) leaves a quarter of the memory now
-    available free; with the reason printed when it does not."""
+    """Whether a packed (or panel) copy of every Linear weight (as many bytes again) leaves a quarter of the memory
+    now available free; with the reason printed when it does not."""
     needed = sum(w.numel() * w.element_size() for w in linear_weights(model))
     available = available_memory_bytes() if available is None else available
     if available is None or needed <= 0.75 * available:
         return True, ""
-    return False, f"a packed copy needs {needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+    return False, f"a copy of the weights needs {needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
 
 
 def _is_transposed(weight: torch.Tensor) -> bool:
@@ -110,7 +123,7 @@ def layout_of(model: nn.Module) -> str:
     weights = linear_weights(model)
     storage = "transposed" if weights and all(_is_transposed(w) for w in weights) else "rows"
     packed_rows = next((m.__dict__[_PACKED_ROWS] for m in linear_modules(model) if _PACKED in m.__dict__), None)
-    return layout_name(storage, packed_rows)
+    return layout_name(storage, packed_rows, any(_PANELS in m.__dict__ for m in linear_modules(model)))
 
 
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -124,11 +137,22 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _panels_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through the panel kernel for 1 to PANEL_MAX_ROWS float32 rows without autograd; more rows
+    (prefill) and autograd keep the stored weight."""
+    from runtime.kernels import PANEL_MAX_ROWS, panel_linear
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= PANEL_MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32:
+        return nn.functional.linear(x, module.weight, module.bias)
+    return panel_linear(x, module.__dict__[_PANELS], module.out_features, module.bias)
+
+
 def _unpack(model: nn.Module) -> None:
     for module in linear_modules(model):
-        module.__dict__.pop(_PACKED, None)
-        module.__dict__.pop(_PACKED_ROWS, None)
-        if getattr(module.__dict__.get("forward"), "__func__", None) is _packed_forward:
+        for key in (_PACKED, _PACKED_ROWS, _PANELS):
+            module.__dict__.pop(key, None)
+        if getattr(module.__dict__.get("forward"), "__func__", None) in (_packed_forward, _panels_forward):
             del module.__dict__["forward"]
 
 
@@ -157,11 +181,35 @@ def _pack(model: nn.Module, min_rows: int) -> None:
         module.forward = _packed_forward.__get__(module)
 
 
+def _add_panels(model: nn.Module) -> None:
+    from runtime import kernels
+
+    weights = linear_weights(model)
+    if not weights:
+        return
+    weight = weights[0]
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise ValueError(f"--weight_layout +panels needs float32 weights on a CPU; these are {weight.dtype} on "
+                         f"{weight.device}")
+    if kernels.library() is None:
+        raise ValueError(f"--weight_layout +panels: the panel kernel is unavailable ({kernels.unavailable_reason()})")
+    panels: dict[int, torch.Tensor] = {}
+    for module in linear_modules(model):
+        if "forward" in module.__dict__:  # someone else's wrapper: left as it is
+            continue
+        key = id(module.weight)
+        if key not in panels:
+            panels[key] = kernels.pack_panels(module.weight)
+        module.__dict__[_PANELS] = panels[key]
+        module.forward = _panels_forward.__get__(module)
+
+
 @torch.no_grad()
 def set_layout(model: nn.Module, layout: str) -> None:
     """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time) and, for
-    `...+packed[N]`, add a oneDNN-packed copy of each weight that products of N (default 2) or more rows use."""
-    storage, packed = parse_layout(layout)
+    `...+packed[N]`, add a oneDNN-packed copy of each weight that products of N (default 2) or more rows use; for
+    `...+panels`, a panel copy that products of 1 to PANEL_MAX_ROWS rows use (runtime.kernels)."""
+    storage, packed, panels = parse_layout(layout)
     _unpack(model)
     for weight in linear_weights(model):
         if storage == "transposed" and not _is_transposed(weight):
@@ -170,6 +218,8 @@ def set_layout(model: nn.Module, layout: str) -> None:
             weight.data = weight.data.contiguous()
     if packed is not None:
         _pack(model, packed)
+    if panels:
+        _add_panels(model)
 
 
 @contextmanager
@@ -210,25 +260,41 @@ def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int 
     return {layout: statistics.median(values) for layout, values in samples.items()}
 
 
-def measure_packing(target, storage: str, kv_length: int = 256, rounds: int = 3,
-                    repeats: int = 5) -> dict[str, list[float]]:
-    """Median seconds of verifying each of VERIFY_PROBE tokens on `storage` with and without the packed copy
-    (interleaved rounds); leaves the model in `storage`. Empty when oneDNN cannot pack this model."""
+def measure_verify(target, layouts: list[str], sizes: tuple[int, ...], kv_length: int = 256, rounds: int = 3,
+                   repeats: int = 5) -> dict[str, list[float]]:
+    """Median seconds of a forward over each of `sizes` tokens in each layout (interleaved rounds); leaves the model
+    in layouts[0]. Empty when one of the layouts cannot be set on this model (oneDNN or the kernel refuses)."""
     from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
 
-    run = target_verify_forward(target, kv_length_within(target, kv_length, max(VERIFY_PROBE)))
-    samples: dict[str, list[list[float]]] = {storage: [], f"{storage}+packed": []}
+    run = target_verify_forward(target, kv_length_within(target, kv_length, max(sizes)))
+    samples: dict[str, list[list[float]]] = {layout: [] for layout in layouts}
     try:
         for _ in range(rounds):
             for layout in samples:
                 set_layout(target.model, layout)
-                samples[layout].append(measure_curve(run, list(VERIFY_PROBE), repeats=repeats))
+                samples[layout].append(measure_curve(run, list(sizes), repeats=repeats))
     except ValueError:
         return {}
     finally:
-        set_layout(target.model, storage)
+        set_layout(target.model, layouts[0])
     return {layout: [statistics.median(size) for size in zip(*rounds_, strict=True)]
             for layout, rounds_ in samples.items()}
+
+
+def measure_packing(target, storage: str, **kwargs) -> dict[str, list[float]]:
+    """Verifying each of VERIFY_PROBE tokens on `storage` with and without the packed copy."""
+    return measure_verify(target, [storage, f"{storage}+packed"], VERIFY_PROBE, **kwargs)
+
+
+def measure_panels(target, layout: str, **kwargs) -> dict[str, list[float]]:
+    """A 1-token step and verifying each of VERIFY_PROBE tokens on `layout` and on its storage with panels."""
+    return measure_verify(target, [layout, parse_layout(layout)[0] + "+panels"], PANEL_PROBE, **kwargs)
+
+
+def panels_win(base: list[float], panels: list[float]) -> bool:
+    """Panels when at least MIN_GAIN faster summed over PANEL_PROBE and not slower by more than MIN_GAIN at 1 token
+    (plain decoding's step, which every drafter falls back to)."""
+    return sum(panels) <= (1 - MIN_GAIN) * sum(base) and panels[0] <= (1 + MIN_GAIN) * base[0]
 
 
 def packed_min_rows(probe: tuple[int, ...], stored: list[float], packed: list[float]) -> int | None:
@@ -242,6 +308,16 @@ def packed_min_rows(probe: tuple[int, ...], stored: list[float], packed: list[fl
         if packed_sum < (1 - MIN_GAIN) * base_sum:
             rows = size
     return rows
+
+
+def _panels_possible(model: nn.Module) -> tuple[bool, str]:
+    from runtime import kernels
+
+    if next(model.parameters()).dtype != torch.float32:
+        return False, "the panel kernel is float32 only"
+    if kernels.library() is None:
+        return False, kernels.unavailable_reason()
+    return True, ""
 
 
 def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=None) -> str:
@@ -266,22 +342,41 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     fits, why_not = packing_fits(model)
     if verify is None and fits:  # not measured (nor cached) while a packed copy would not fit: measured later
         verify = measure_packing(target, storage)
-    if use_cache and (cached.get("seconds") != seconds or cached.get("verify_seconds") != verify):
-        from heads.files import atomic_write_json
-
-        extra = {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
-        atomic_write_json(path, {"seconds": seconds} | extra)
     packed = f"{storage}+packed"
     rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
     layout = layout_name(storage, rows)
-    set_layout(model, layout)
-    if not fits:
-        packing = f"; not packed: {why_not}"
-    elif not verify:
-        packing = "; oneDNN cannot pack these weights"
+    possible, no_panels = _panels_possible(model) if fits else (False, why_not)
+    panels = cached.get("panel_seconds") if cached.get("panel_probe") == list(PANEL_PROBE) else None
+    if panels is not None and layout not in panels:
+        panels = None  # measured against another choice (the machine measured differently since)
+    if panels is None and possible:
+        panels = measure_panels(target, layout) or None
+    record = {"seconds": seconds}
+    record |= {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
+    record |= {"panel_probe": list(PANEL_PROBE), "panel_seconds": panels} if panels is not None else {}
+    if use_cache and any(cached.get(key) != value for key, value in record.items()):
+        from heads.files import atomic_write_json
+
+        atomic_write_json(path, record)
+    with_panels = f"{storage}+panels"
+    if possible and panels and panels_win(panels[layout], panels[with_panels]):
+        chosen = with_panels
     else:
-        ms = "/".join(f"{t * 1e3:.0f}" for t in verify[storage]), "/".join(f"{t * 1e3:.0f}" for t in verify[packed])
-        packing = (f"; verifying {'/'.join(map(str, VERIFY_PROBE))} tokens {ms[0]} ms, {ms[1]} ms packed")
-    print(f"weight layout: {layout} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "
+        chosen = layout
+    set_layout(model, chosen)
+    if not fits:
+        packing = f"; not packed, no panels: {why_not}"
+    else:
+        packing = ("; oneDNN cannot pack these weights" if not verify else
+                   f"; verifying {'/'.join(map(str, VERIFY_PROBE))} tokens {_ms(verify[storage])} ms, "
+                   f"{_ms(verify[packed])} ms packed")
+        packing += (f"; no panels: {no_panels}" if not possible else
+                    f"; 1/{'/'.join(map(str, VERIFY_PROBE))} tokens {_ms(panels[layout])} ms as {layout}, "
+                    f"{_ms(panels[with_panels])} ms with panels" if panels else "; the panel kernel failed here")
+    print(f"weight layout: {chosen} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "
           f"{seconds['transposed'] * 1e3:.1f} ms transposed{packing})", file=log or sys.stderr)
-    return layout
+    return chosen
+
+
+def _ms(seconds: list[float]) -> str:
+    return "/".join(f"{t * 1e3:.0f}" for t in seconds)

@@ -78,6 +78,45 @@ def test_packed_from_n_rows_keeps_fewer_rows_on_the_stored_kernel():
             layout.check_layout(bad)
 
 
+def test_panels_serve_few_rows_and_leave_prefill_and_autograd_to_the_stored_weight():
+    """`+panels`: 1-16 rows through the compiled kernel (same values to rounding), more rows and autograd through the
+    stored weight (bit-identical), ties kept, removed cleanly; bf16 refused naming the flag."""
+    from runtime import kernels
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    model = stories260k()
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, few_before = model(ids).logits, model(ids[:, :5]).logits
+        set_layout(model, "transposed+panels")
+        assert layout_of(model) == "transposed+panels"
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        panels = [m.__dict__.get(layout._PANELS) for m in layout.linear_modules(model)]
+        assert all(p is not None for p in panels) and model.lm_head.__dict__[layout._PANELS] is not None
+        after, few_after = model(ids).logits, model(ids[:, :5]).logits
+    set_layout(model, "rows")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)  # 24 rows: the stored weight's kernel, panels never used
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(few_after, few_before, rtol=1e-5, atol=1e-5)
+    set_layout(model, "rows+panels")
+    loss = model(ids[:, :5], labels=ids[:, :5]).loss  # grad mode: the stored weight
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+    set_layout(model, "rows")
+    assert layout_of(model) == "rows" and "forward" not in model.lm_head.__dict__
+    with pytest.raises(ValueError, match="--weight_layout \\+panels.*float32"):
+        set_layout(stories260k().to(torch.bfloat16), "rows+panels")
+
+
+def test_panels_win_only_when_faster_overall_and_not_slower_at_one_token():
+    base = [0.060, 0.090, 0.100, 0.110, 0.130]
+    assert layout.panels_win(base, [0.058, 0.065, 0.075, 0.080, 0.100])
+    assert not layout.panels_win(base, [0.066, 0.065, 0.075, 0.080, 0.100])  # plain decoding 10% slower
+    assert not layout.panels_win(base, [0.059, 0.088, 0.098, 0.108, 0.125])  # under MIN_GAIN summed
+
+
 def test_packed_min_rows_is_where_packing_wins_from_there_on():
     probe = (2, 3, 4, 8)
     base = [0.090, 0.100, 0.123, 0.137]
@@ -88,7 +127,7 @@ def test_packed_min_rows_is_where_packing_wins_from_there_on():
     assert layout.packed_min_rows(probe, base, [0.095, 0.099, 0.121, 0.136]) is None  # under MIN_GAIN in all
 
 
-@pytest.mark.parametrize("weights", ["transposed", "transposed+packed"])
+@pytest.mark.parametrize("weights", ["transposed", "transposed+packed", "rows+panels", "transposed+panels"])
 def test_greedy_identity_against_transformers_on_the_weights_as_loaded(weights):
     """Our loop (plain and prompt lookup) on re-laid weights == transformers' generate on the loaded ones; the tree
     verify forward equals per-path forwards."""
@@ -133,6 +172,7 @@ def test_auto_measures_once_and_keys_cost_curves(tmp_path, monkeypatch):
 
     monkeypatch.setattr(layout, "measure_layouts", fail)
     monkeypatch.setattr(layout, "measure_packing", fail)
+    monkeypatch.setattr(layout, "measure_panels", fail)
     assert choose_layout(target, "auto") == chosen  # read back: the same kernels on every run
     assert choose_layout(target, "rows+packed") == "rows+packed"
     assert choose_layout(target, "rows+packed2") == "rows+packed"

@@ -1,0 +1,57 @@
+"""runtime.kernels: the compiled small-row product equals F.linear, does not depend on the rows beside it, and is
+refused cleanly where it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import kernels
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no panel kernel: {kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(64, 48, False), (37, 29, True), (5, 576, True)])
+def test_panel_linear_equals_linear_for_every_row_count(out_features, in_features, bias):
+    generator = torch.Generator().manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+    panels = kernels.pack_panels(linear.weight)
+    assert panels.shape == (-(-out_features // 8), in_features, 8) and panels.is_contiguous()
+    x = torch.randn(2, 15, in_features, generator=generator)  # 30 rows: three passes of 10
+    with torch.no_grad():
+        full = kernels.panel_linear(x, panels, out_features, linear.bias)
+        torch.testing.assert_close(full, linear(x), rtol=1e-5, atol=1e-4)
+        flat = full.reshape(-1, out_features)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 12, 13, 16):
+            part = kernels.panel_linear(x.reshape(-1, in_features)[:rows], panels, out_features, linear.bias)
+            assert torch.equal(part, flat[:rows])  # batch-invariant: the same FMA chain per output, bit for bit
+
+
+def test_threads_split_panels_without_changing_a_bit():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 64, generator=generator)
+    x = torch.randn(6, 64, generator=generator)
+    panels = kernels.pack_panels(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.panel_linear(x, panels, 200)
+        torch.set_num_threads(2)
+        two = kernels.panel_linear(x, panels, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_input_and_a_missing_compiler_are_named(tmp_path, monkeypatch):
+    panels = kernels.pack_panels(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="does not fit panels"):
+        kernels.panel_linear(torch.randn(2, 9), panels, 16)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        kernels.panel_linear(torch.randn(2, 8, dtype=torch.float64), panels, 16)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no-such-cc"):
+        kernels.build(tmp_path)
+    assert not (tmp_path / "kernels").exists()
