@@ -11,10 +11,10 @@ whole set of SmolLM2-135M's Linear weights (30 layers + the 49,152-row LM head),
 rows 41 / 45 / 51 / 58 / 82 ms, against 45 / 69 / 102 / 110 / 190 ms for `F.linear` on transposed storage and
 58 / 63 / 75 / 84 / 94 ms for oneDNN's packed weights.
 
-Batch-invariant: every output element is the same serial multiply-then-add chain over k whatever the number of
+Batch-invariant: every output element is the same serial chain of multiply-adds over k whatever the number of
 rows in the call (small row counts run several panels side by side for instruction-level parallelism, never a
-different summation order; `-ffp-contract=off`, because the compiler fused multiply and add in some kernels and not
-in others, which changed the last bit), so a row's result does not depend on what else was verified with it.
+different summation order; the multiply-add is an explicit FMA where the CPU has one and `-ffp-contract=off` keeps
+the compiler from fusing anything else, because it fused in some kernels and not in others, changing the last bit), so a row's result does not depend on what else was verified with it.
 
 The C source below is compiled once per machine with the system C compiler (`$CC`, else `cc`) and
 `-O3 -march=native` into `$SPECHEADS_CACHE/kernels/` (atomic; keyed by the source, the flags, the compiler and the
@@ -42,6 +42,12 @@ PANEL_MAX_ROWS = 16  # products of more rows (prefill) go to the BLAS, which is 
 SOURCE = r"""
 #include <string.h>
 typedef float v8 __attribute__((vector_size(32)));
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+#define MADD(acc, s, w) ((acc) = (v8)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)(w), (__m256)(acc)))
+#else
+#define MADD(acc, s, w) ((acc) += (s) * (w))
+#endif
 
 /* Rows x[0..MR) times PP panels at a time; each output is one FMA chain over k in order 0..K-1. */
 #define KERNEL(MR, PP)                                                                                   \
@@ -55,7 +61,7 @@ static void kernel_##MR(const float *x, long K, const float *panels, long N, con
     for (long k = 0; k < K; k++) {                                                                       \
       for (int q = 0; q < PP; q++) {                                                                     \
         v8 wk; memcpy(&wk, w + (q * K + k) * 8, 32);                                                     \
-        for (int m = 0; m < MR; m++) acc[q][m] += x[m * K + k] * wk;                                     \
+        for (int m = 0; m < MR; m++) MADD(acc[q][m], x[m * K + k], wk);                                     \
       }                                                                                                  \
     }                                                                                                    \
     for (int q = 0; q < PP; q++) store(acc[q], MR, p + q, N, bias, y, ldy);                              \
@@ -66,7 +72,7 @@ static void kernel_##MR(const float *x, long K, const float *panels, long N, con
     const float *w = panels + p * K * 8;                                                                 \
     for (long k = 0; k < K; k++) {                                                                       \
       v8 wk; memcpy(&wk, w + k * 8, 32);                                                                 \
-      for (int m = 0; m < MR; m++) acc[m] += x[m * K + k] * wk;                                          \
+      for (int m = 0; m < MR; m++) MADD(acc[m], x[m * K + k], wk);                                          \
     }                                                                                                    \
     store(acc, MR, p, N, bias, y, ldy);                                                                  \
   }                                                                                                      \
