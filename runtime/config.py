@@ -118,9 +118,11 @@ class GenerateArguments:
     weight_layout: str = field(default="auto", metadata={
         "help": "CPU memory layout of the target's Linear weights: auto (measured: transposed storage where its "
                 "1-token step is at least 5 percent faster, plus a oneDNN-packed copy for products of N+ rows from "
-                "the verify size (2/3/4/8) where packing wins from there on; cached), rows (as loaded), transposed, "
-                "rows+packed or transposed+packed (from 2 rows), ...+packedN (from N rows); the packed copy costs "
-                "one more copy of the Linear weights"})
+                "the verify size (2/3/4/8) where packing wins from there on, or panels where they win; cached), "
+                "rows (as loaded), transposed, rows+packed or transposed+packed (from 2 rows), ...+packedN (from "
+                "N rows), rows+panels or transposed+panels (our compiled kernel for 1-16 rows, float32; auto takes "
+                "it where it is faster); "
+                "a packed or panel copy costs one more copy of the Linear weights"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     seed: int = field(default=0, metadata={"help": "random seed for sampling"})

@@ -37,6 +37,7 @@ from runtime.planner import DrafterFamily, DraftProfile, Plan, plan_drafter
 from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
+from runtime.proposers.guard import PayingGuard
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
 from runtime.sampling import SamplingConfig
@@ -104,7 +105,7 @@ class HeadsOptions:
 class HeadsProposer:
     """What `proposer_from_heads` returns: the proposer, its heads' config, and how the size was chosen."""
 
-    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive
+    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive | PayingGuard
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
     plan: Plan | None = None  # the planner's batch-1 choice, rows: plain decoding then every shape and size
@@ -193,7 +194,14 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
     fixed = options.fixed_size
     label = f"{family.kind}{' ' + _shape_text(plan.shape) if plan.shape else ''}, " \
             f"{'auto ' if fixed is None else ''}size {plan.size}"
-    return HeadsProposer(family.make(plan.shape, plan.size), config, plan.size, plan, label, notes)
+    proposer = family.make(plan.shape, plan.size)
+    if options.allow_off:  # planned from held-out accuracy: checked against this sequence's acceptance as it runs
+        chosen = next(row for row in plan.rows[1:]
+                      if row["size"] == plan.size and all(row.get(k) == v for k, v in plan.shape.items()))
+        step_cost = chosen["seconds"] / plan.rows[0]["seconds"]
+        proposer = PayingGuard(proposer, step_cost, chosen["expected_tau"])
+        label += f", guarded (drafts while this sequence accepts >= {step_cost:.2f} tokens per step)"
+    return HeadsProposer(proposer, config, plan.size, plan, label, notes)
 
 
 def _shape_text(shape: dict[str, int]) -> str:

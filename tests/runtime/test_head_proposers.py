@@ -356,6 +356,30 @@ def test_factory_auto_size_uses_metrics_and_cost(tmp_path, monkeypatch):
     assert torch.equal(tokens, reference(model, prompt, 30))
 
 
+def test_auto_with_allow_off_guards_the_plan_with_its_measured_step_cost(tmp_path, monkeypatch):
+    """auto (allow_off, the default): the planned proposer drafts while this sequence's acceptance pays for the
+    planned step's cost over a plain step; output stays plain greedy decoding's."""
+    from runtime.proposers.guard import PayingGuard
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model, sigma = perm_target("llama")
+    heads = make_heads("medusa", model, sigma)
+    heads.config.metrics = {"top1_accuracy_per_depth": [0.9, 0.8, 0.7, 0.6]}
+    built = proposer_from_heads(heads, TargetModel(model), HeadsOptions(max_tree_size=6, cost_kv_length=16),
+                                target_name="tiny-target")
+    if built.plan.off:
+        pytest.skip("plain decoding predicted faster on this machine: nothing to guard")
+    plain, *rows = built.plan.rows
+    chosen = next(r for r in rows if r["size"] == built.size)
+    guard = built.proposer
+    assert isinstance(guard, PayingGuard) and isinstance(guard.inner, MedusaProposer) and "guarded" in built.description
+    assert guard.step_cost == pytest.approx(chosen["seconds"] / plain["seconds"])
+    assert guard.expected_tau == chosen["expected_tau"]
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run_loop(model, guard, prompt, 30)
+    assert torch.equal(tokens, reference(model, prompt, 30))
+
+
 def test_auto_without_metrics_is_a_clear_error():
     model, _ = perm_target("llama")
     with pytest.raises(ValueError, match="--tree_size auto.*no measured accuracy"):

@@ -1,0 +1,76 @@
+"""Draft only while this sequence's acceptance says drafting pays: the planner's choice, checked as it runs.
+
+The planner (runtime/planner.plan_drafter) turns a head on from its held-out accuracy, measured on text like its
+training data. A prompt far from that text accepts less: the main job's EAGLE head has held-out top-1 .28 and
+accepts .11 on MT-Bench, where drafting costs 1.23 plain steps per step and returns 1.11 tokens (0.90x). The
+guard keeps a running estimate of the accepted length per drafted step, starting from the planner's expected tau
+as a prior worth PRIOR_STEPS steps, and drafts while
+
+    estimated tau >= step_cost   (the planned step's verify + draft time over a plain step's, measured)
+
+and otherwise runs plain steps, drafting once every PROBE_EVERY steps to see whether the text became easier. The
+drafter's state keeps up while it rests (every proposer feeds what was committed on its next propose), so a
+probe drafts from the full context. Output is unchanged whatever the guard decides: every draft is verified.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from runtime.proposers.base import Draft, Proposer, root_only
+
+PRIOR_STEPS = 8
+PROBE_EVERY = 16
+
+
+class PayingGuard:
+    """A proposer that drafts through `inner` while the estimated accepted length pays for `step_cost`."""
+
+    def __init__(self, inner: Proposer, step_cost: float, expected_tau: float, prior_steps: int = PRIOR_STEPS,
+                 probe_every: int = PROBE_EVERY):
+        if step_cost <= 0 or expected_tau < 1 or prior_steps < 0 or probe_every < 1:
+            raise ValueError(f"guard: need step_cost > 0, expected_tau >= 1, prior_steps >= 0, probe_every >= 1; "
+                             f"got {step_cost}, {expected_tau}, {prior_steps}, {probe_every}")
+        self.inner = inner
+        self.hidden_state_indices = inner.hidden_state_indices
+        self.step_cost, self.expected_tau = step_cost, expected_tau
+        self.prior_steps, self.probe_every = prior_steps, probe_every
+        self._steps, self._accepted, self._resting = 0, 0, 0
+
+    def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
+        return PayingGuard(copy.copy(self.inner), self.step_cost, self.expected_tau, self.prior_steps,
+                           self.probe_every)
+
+    @property
+    def tree_size(self) -> int:
+        """The inner drafter's draft tokens per step (what the loop budgets for)."""
+        return self.inner.tree_size
+
+    @property
+    def estimated_tau(self) -> float:
+        """Accepted tokens per drafted step (bonus included): the prior's PRIOR_STEPS steps plus this sequence's."""
+        return (self.expected_tau * self.prior_steps + self._accepted) / (self.prior_steps + self._steps) \
+            if self.prior_steps + self._steps else self.expected_tau
+
+    def pays(self) -> bool:
+        return self.estimated_tau >= self.step_cost
+
+    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.inner.reset(prompt_ids, prefill_hidden)
+        self._steps, self._accepted, self._resting = 0, 0, 0
+
+    def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        if max_tokens > 0 and (self.pays() or self._resting + 1 >= self.probe_every):
+            self._resting = 0
+            return self.inner.propose(committed_ids, max_tokens)
+        self._resting += 1
+        return root_only(committed_ids)
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.inner.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
+        if draft.tree.num_nodes > 1:
+            self._steps += 1
+            self._accepted += len(accepted_nodes)

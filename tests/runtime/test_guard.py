@@ -1,0 +1,68 @@
+"""runtime.proposers.guard: drafts while this sequence's acceptance pays, rests and probes otherwise; output is plain
+greedy decoding's whatever it decides."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.bench import run_ours
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.generate import GenerationStats, generate_batch
+from runtime.proposers import Autoregressive, PromptLookupProposer
+from runtime.proposers.guard import PROBE_EVERY, PayingGuard
+from runtime.target import TargetModel
+from tests.tiny_models import stories260k
+
+PROMPT = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407, 261, 400, 292, 327])
+
+
+def _config(tokens: int = 48) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=tokens, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=3))
+
+
+def test_a_cheap_step_drafts_every_time_and_an_expensive_one_only_probes():
+    target = TargetModel(stories260k())
+    plain = run_ours(target, Autoregressive(), PROMPT, _config())
+    free = run_ours(target, PayingGuard(PromptLookupProposer(), step_cost=0.5, expected_tau=1.0), PROMPT, _config())
+    bare = run_ours(target, PromptLookupProposer(), PROMPT, _config())
+    assert free.tokens == bare.tokens == plain.tokens
+    assert [s.drafted_nodes for s in free.stats.steps] == [s.drafted_nodes for s in bare.stats.steps]
+
+    dear = PayingGuard(PromptLookupProposer(), step_cost=100.0, expected_tau=1.0)
+    run = run_ours(target, dear, PROMPT, _config())
+    assert run.tokens == plain.tokens
+    offered = [i for i, s in enumerate(run.stats.steps) if s.drafted_nodes]
+    assert offered and all((i + 1) % PROBE_EVERY == 0 for i in offered)  # only the probes drafted
+    assert dear.estimated_tau < dear.step_cost
+
+
+def test_the_estimate_starts_at_the_prior_and_follows_what_is_accepted():
+    target = TargetModel(stories260k())
+    guard = PayingGuard(PromptLookupProposer(), step_cost=1.2, expected_tau=2.0, prior_steps=4)
+    assert guard.estimated_tau == 2.0 and guard.pays()
+    run = run_ours(target, guard, PROMPT, _config())
+    drafted = [s for s in run.stats.steps if s.drafted_nodes]
+    accepted = sum(s.accepted_length for s in drafted)
+    assert guard.estimated_tau == pytest.approx((2.0 * 4 + accepted) / (4 + len(drafted)))
+    guard.reset(PROMPT, None)
+    assert guard.estimated_tau == 2.0  # per sequence
+    with pytest.raises(ValueError, match="step_cost"):
+        PayingGuard(Autoregressive(), step_cost=0.0, expected_tau=1.5)
+
+
+def test_rows_of_a_batch_each_get_their_own_guard_and_drafter_state():
+    target = TargetModel(stories260k())
+    guard = PayingGuard(PromptLookupProposer(), step_cost=100.0, expected_tau=1.0)
+    twin = copy.copy(guard)
+    assert twin.inner is not guard.inner
+    prompts = [PROMPT, PROMPT[:9]]
+    stats = [GenerationStats(), GenerationStats()]
+    rows: list[list[int]] = [[], []]
+    for step in generate_batch(target, [guard, twin], prompts, _config(24), stats):
+        for b, new in enumerate(step):
+            rows[b].extend(new.tolist())
+    for b, prompt in enumerate(prompts):
+        assert rows[b] == run_ours(target, Autoregressive(), prompt, _config(24)).tokens
