@@ -14,12 +14,14 @@ SMOLLM2 = SHARED / "models" / "smollm2-135m-instruct"
 DATA = SHARED / "data"
 
 # Architectures the runtime supports; attention backend each runs on (gemma2 refuses sdpa: softcapping).
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt2", "deepseek_v3"]
+# deepseek_v3_gqa (fewer KV heads than query heads) verifies trees on CPU because the masked sdpa forward keeps the
+# grouped heads in torch's kernel (runtime/target.py); transformers' own K/V repeat broke on its multi-token forwards.
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt2", "deepseek_v3",
+                 "deepseek_v3_gqa"]
 ATTENTION = {"gemma2": "eager", "bloom": "eager", "mpt": "eager", "mamba": "eager"}
 # Families the load-time verify check (runtime/verify_check.py) degrades or refuses -> the mode it chooses.
-# falcon and bloom (ALiBi) reject 4D masks, mpt (ALiBi) ignores them, mamba keeps a recurrent state; the
-# DeepSeek-V3 variant with fewer KV heads than query heads breaks on multi-token forwards over a cache.
-DEGRADED = {"falcon": "chain", "bloom": "chain", "mpt": "chain", "deepseek_v3_gqa": "plain", "mamba": "refused"}
+# falcon and bloom (ALiBi) reject 4D masks, mpt (ALiBi) ignores them, mamba keeps a recurrent state.
+DEGRADED = {"falcon": "chain", "bloom": "chain", "mpt": "chain", "mamba": "refused"}
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
