@@ -8,13 +8,16 @@ step and 8 tokens ~2x (README, "Weight layout"): the arithmetic that made specul
 kernel reads the weight once, laid out in panels of 8 output columns ([ceil(N/8), K, 8], zero-padded), and keeps
 one vector accumulator per row and panel in registers, so 2-8 rows cost about what one row costs. Measured on the
 whole set of SmolLM2-135M's Linear weights (30 layers + the 49,152-row LM head), one thread: 1 / 2 / 4 / 8 / 12
-rows 41 / 45 / 51 / 58 / 82 ms, against 45 / 69 / 102 / 110 / 190 ms for `F.linear` on transposed storage and
-58 / 63 / 75 / 84 / 94 ms for oneDNN's packed weights.
+rows 32 / 33 / 45 / 61 / 74 ms, against 41 / 58 / 95 / 111 / 122 ms for `F.linear` on transposed storage (and
+58 / 63 / 75 / 84 / 94 ms for oneDNN's packed weights, another run); after widening the side-by-side panels for 3-8
+rows (below), 26 / 27 / 38 / 59 / 76 ms on a quieter machine.
 
-Batch-invariant: every output element is the same serial chain of multiply-adds over k whatever the number of
-rows in the call (small row counts run several panels side by side for instruction-level parallelism, never a
-different summation order; the multiply-add is an explicit FMA where the CPU has one and `-ffp-contract=off` keeps
-the compiler from fusing anything else, because it fused in some kernels and not in others, changing the last bit), so a row's result does not depend on what else was verified with it.
+Batch-invariant: every output element is the same serial chain of multiply-adds over k whatever the number of rows
+in the call (small row counts run several panels side by side for instruction-level parallelism: 8 panels for one
+row, 6 for two, 4 for three, 3 for four or five, 2 for six to eight; never a different summation order; the
+multiply-add is an explicit FMA where the CPU has one and `-ffp-contract=off` keeps the compiler from fusing
+anything else, because it fused in some kernels and not in others, changing the last bit), so a row's result does
+not depend on what else was verified with it.
 
 The C source below is compiled once per machine with the system C compiler (`$CC`, else `cc`) and
 `-O3 -march=native` into `$SPECHEADS_CACHE/kernels/` (atomic; keyed by the source, the flags, the compiler and the
@@ -87,8 +90,9 @@ static void store(const v8 *acc, int rows, long p, long N, const float *bias, fl
   }
 }
 
-KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2)
-KERNEL(7, 1) KERNEL(8, 1) KERNEL(9, 1) KERNEL(10, 1) KERNEL(11, 1) KERNEL(12, 1)
+/* panels side by side per row count: 8-16 accumulators, measured best on the SmolLM2 weights (AVX2) */
+KERNEL(1, 8) KERNEL(2, 6) KERNEL(3, 4) KERNEL(4, 3) KERNEL(5, 3) KERNEL(6, 2)
+KERNEL(7, 2) KERNEL(8, 2) KERNEL(9, 1) KERNEL(10, 1) KERNEL(11, 1) KERNEL(12, 1)
 
 typedef void (*kernel_t)(const float *, long, const float *, long, const float *, float *, long, long, long);
 static const kernel_t KERNELS[13] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
