@@ -131,8 +131,11 @@ def test_packed_min_rows_is_where_packing_wins_from_there_on():
 def test_greedy_identity_against_transformers_on_the_weights_as_loaded(weights):
     """Our loop (plain and prompt lookup) on re-laid weights == transformers' generate on the loaded ones; the tree
     verify forward equals per-path forwards."""
+    from runtime import kernels
     from runtime.verify_check import check_mode
 
+    if weights.endswith("+panels") and kernels.library() is None:
+        pytest.skip(f"no panel kernel here: {kernels.unavailable_reason()}")
     model = stories260k()
     target = TargetModel(model)
     set_layout(model, weights)
