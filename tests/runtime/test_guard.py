@@ -12,8 +12,10 @@ from runtime.bench import run_ours
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, PromptLookupProposer
+from runtime.proposers.base import Draft
 from runtime.proposers.guard import PROBE_EVERY, PayingGuard
 from runtime.target import TargetModel
+from runtime.tree import Tree
 from tests.tiny_models import stories260k
 
 PROMPT = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407, 261, 400, 292, 327])
@@ -44,13 +46,41 @@ def test_the_estimate_starts_at_the_prior_and_follows_what_is_accepted():
     guard = PayingGuard(PromptLookupProposer(), step_cost=1.2, expected_tau=2.0, prior_steps=4)
     assert guard.estimated_tau == 2.0 and guard.pays()
     run = run_ours(target, guard, PROMPT, _config())
-    drafted = [s for s in run.stats.steps if s.drafted_nodes]
-    accepted = sum(s.accepted_length for s in drafted)
-    assert guard.estimated_tau == pytest.approx((2.0 * 4 + accepted) / (4 + len(drafted)))
+    drafted = [s.accepted_length for s in run.stats.steps if s.drafted_nodes]
+    weight, accepted = 4.0, 8.0  # the prior: 4 steps of 2.0, then each drafted step with older ones decayed
+    for length in drafted:
+        weight, accepted = guard.decay * weight + 1, guard.decay * accepted + length
+    assert drafted and guard.estimated_tau == pytest.approx(accepted / weight)
+    undecayed = PayingGuard(PromptLookupProposer(), step_cost=1.2, expected_tau=2.0, prior_steps=4, decay=1.0)
+    run = run_ours(target, undecayed, PROMPT, _config())
+    drafted = [s.accepted_length for s in run.stats.steps if s.drafted_nodes]
+    assert undecayed.estimated_tau == pytest.approx((2.0 * 4 + sum(drafted)) / (4 + len(drafted)))  # a plain mean
     guard.reset(PROMPT, None)
     assert guard.estimated_tau == 2.0  # per sequence
     with pytest.raises(ValueError, match="step_cost"):
         PayingGuard(Autoregressive(), step_cost=0.0, expected_tau=1.5)
+    with pytest.raises(ValueError, match="decay"):
+        PayingGuard(Autoregressive(), step_cost=1.2, expected_tau=1.5, decay=0.0)
+
+
+def test_a_rested_head_comes_back_when_its_drafts_start_to_land():
+    """A long bad start rests the head; probes whose drafts are accepted bring the decayed estimate back over the
+    cost within a few probes, where a plain mean over the whole answer would need many more."""
+    committed = PROMPT.clone()
+    chain = Draft(tokens=committed[-3:], tree=Tree.chain(2))
+
+    def probes_to_return(decay: float) -> int:
+        guard = PayingGuard(Autoregressive(), step_cost=1.3, expected_tau=1.4, prior_steps=8, decay=decay)
+        for _ in range(40):
+            guard.on_accept(committed, chain, [0], None)  # nothing accepted
+        assert not guard.pays()
+        probes = 0
+        while not guard.pays():
+            guard.on_accept(committed, chain, [0, 1, 2], None)  # both draft tokens accepted
+            probes += 1
+        return probes
+
+    assert probes_to_return(PayingGuard(Autoregressive(), 1.3, 1.4).decay) <= 3 < probes_to_return(1.0)
 
 
 def test_rows_of_a_batch_each_get_their_own_guard_and_drafter_state():
