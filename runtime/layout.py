@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime import kernels
+
 LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels")
 LAYOUT_HELP = ("auto / rows / transposed / rows+packed / transposed+packed / ...+packedN / rows+panels / "
                "transposed+panels (runtime.layout)")  # CLI flag help; `+packedN`: the packed copy from N rows
@@ -141,12 +143,10 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _panels_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through the panel kernel for 1 to PANEL_MAX_ROWS float32 rows without autograd; more rows
     (prefill) and autograd keep the stored weight."""
-    from runtime.kernels import PANEL_MAX_ROWS, panel_linear
-
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= PANEL_MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32:
+    if not 0 < rows <= kernels.PANEL_MAX_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32:
         return nn.functional.linear(x, module.weight, module.bias)
-    return panel_linear(x, module.__dict__[_PANELS], module.out_features, module.bias)
+    return kernels.panel_linear(x, module.__dict__[_PANELS], module.out_features, module.bias)
 
 
 def _unpack(model: nn.Module) -> None:
@@ -183,8 +183,6 @@ def _pack(model: nn.Module, min_rows: int) -> None:
 
 
 def _add_panels(model: nn.Module) -> None:
-    from runtime import kernels
-
     weights = linear_weights(model)
     if not weights:
         return
@@ -312,8 +310,6 @@ def packed_min_rows(probe: tuple[int, ...], stored: list[float], packed: list[fl
 
 
 def _panels_possible(model: nn.Module) -> tuple[bool, str]:
-    from runtime import kernels
-
     if next(model.parameters()).dtype != torch.float32:
         return False, "the panel kernel is float32 only"
     if kernels.library() is None:
