@@ -238,3 +238,28 @@ def test_loader_falls_back_to_eager_when_a_family_has_no_sdpa(tmp_path):
     with pytest.warns(UserWarning, match="--attn_implementation sdpa.*loaded with eager"):
         model = load_model(str(tmp_path / "bloom"), attn_implementation="sdpa")
     assert model.config._attn_implementation == "eager"
+
+
+def test_grouped_kv_switch_is_set_only_around_our_own_cpu_forwards(monkeypatch):
+    """On CPU with sdpa the target asks transformers to keep grouped K/V heads in torch's kernel for its own forwards
+    (TRANSFORMERS_SDPA_FORCE_GQA), and for nothing else: the switch is gone after each forward, and a value the
+    user set is left alone."""
+    import os
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    seen = []
+
+    def record(original, args, kwargs):
+        seen.append(os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"))
+        return original(*args, **kwargs)
+
+    model, prompt = _model("llama"), _prompt()  # 4 query heads over 2 K/V heads
+    expected = reference(model, prompt, 12)  # transformers' generate: no switch
+    target = TargetModel(_wrap_forward(model, record))
+    out, _ = _run(target, PromptLookupProposer(), prompt, new_tokens=12)
+    assert torch.equal(out, expected)
+    assert seen and set(seen) == {"1"} and "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    seen.clear()
+    _run(target, PromptLookupProposer(), prompt, new_tokens=4)
+    assert set(seen) == {"0"} and os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
