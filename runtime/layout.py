@@ -157,6 +157,21 @@ def _unpack(model: nn.Module) -> None:
             del module.__dict__["forward"]
 
 
+def _attach(model: nn.Module, key: str, make, forward, **extra) -> None:
+    """Give every Linear `make(weight)` under `key` (one copy per distinct weight: tied weights share it), `extra`
+    entries, and `forward` in place of nn.Linear.forward. A Linear whose forward someone else replaced (e.g.
+    accelerate's offload hooks) is left as it is."""
+    copies: dict[int, torch.Tensor] = {}
+    for module in linear_modules(model):
+        if "forward" in module.__dict__:
+            continue
+        if id(module.weight) not in copies:
+            copies[id(module.weight)] = make(module.weight.detach())
+        module.__dict__[key] = copies[id(module.weight)]
+        module.__dict__.update(extra)
+        module.forward = forward.__get__(module)
+
+
 def _pack(model: nn.Module, min_rows: int) -> None:
     weights = linear_weights(model)
     if not weights:
@@ -165,42 +180,28 @@ def _pack(model: nn.Module, min_rows: int) -> None:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         raise ValueError(f"--weight_layout +packed needs a CPU target with oneDNN (mkldnn); this one is on "
                          f"{weight.device} (mkldnn available: {torch.backends.mkldnn.is_available()})")
-    packed: dict[int, torch.Tensor] = {}
-    for module in linear_modules(model):
-        if "forward" in module.__dict__:  # someone else's wrapper (e.g. accelerate's offload hooks): left as it is
-            continue
-        key = id(module.weight)
-        if key not in packed:
-            try:
-                packed[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
-            except RuntimeError as error:
-                _unpack(model)
-                raise ValueError(f"--weight_layout +packed: oneDNN cannot pack {module.weight.dtype} weights on this "
-                                 f"CPU ({str(error).splitlines()[0]})") from None
-        module.__dict__[_PACKED] = packed[key]
-        module.__dict__[_PACKED_ROWS] = min_rows
-        module.forward = _packed_forward.__get__(module)
+    try:
+        _attach(model, _PACKED, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+                _packed_forward, **{_PACKED_ROWS: min_rows})
+    except RuntimeError as error:
+        _unpack(model)
+        raise ValueError(f"--weight_layout +packed: oneDNN cannot pack {weight.dtype} weights on this CPU "
+                         f"({str(error).splitlines()[0]})") from None
+
+
+def panels_unavailable(model: nn.Module) -> str:
+    """Why the panel kernel cannot serve this model ('' when it can): it is float32 CPU only and must compile."""
+    weights = linear_weights(model)
+    if weights and (weights[0].device.type != "cpu" or weights[0].dtype != torch.float32):
+        return f"the panel kernel needs float32 weights on a CPU; these are {weights[0].dtype} on {weights[0].device}"
+    return "" if kernels.library() is not None else f"the panel kernel is unavailable ({kernels.unavailable_reason()})"
 
 
 def _add_panels(model: nn.Module) -> None:
-    weights = linear_weights(model)
-    if not weights:
-        return
-    weight = weights[0]
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        raise ValueError(f"--weight_layout +panels needs float32 weights on a CPU; these are {weight.dtype} on "
-                         f"{weight.device}")
-    if kernels.library() is None:
-        raise ValueError(f"--weight_layout +panels: the panel kernel is unavailable ({kernels.unavailable_reason()})")
-    panels: dict[int, torch.Tensor] = {}
-    for module in linear_modules(model):
-        if "forward" in module.__dict__:  # someone else's wrapper: left as it is
-            continue
-        key = id(module.weight)
-        if key not in panels:
-            panels[key] = kernels.pack_panels(module.weight)
-        module.__dict__[_PANELS] = panels[key]
-        module.forward = _panels_forward.__get__(module)
+    why_not = panels_unavailable(model)
+    if why_not:
+        raise ValueError(f"--weight_layout +panels: {why_not}")
+    _attach(model, _PANELS, kernels.pack_panels, _panels_forward)
 
 
 @torch.no_grad()
@@ -247,16 +248,8 @@ def _cache_path(fingerprint: str, device: str, dtype: str):
 
 def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int = 5) -> dict[str, float]:
     """Median seconds of a 1-token forward of `target` in each storage (interleaved rounds); leaves it `rows`."""
-    from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
-
-    run = target_verify_forward(target, kv_length_within(target, kv_length, 1))
-    samples: dict[str, list[float]] = {"rows": [], "transposed": []}
-    for _ in range(rounds):
-        for layout in samples:
-            set_layout(target.model, layout)
-            samples[layout].append(measure_curve(run, [1], repeats=repeats)[0])
-    set_layout(target.model, "rows")
-    return {layout: statistics.median(values) for layout, values in samples.items()}
+    measured = measure_verify(target, ["rows", "transposed"], (1,), kv_length, rounds, repeats)
+    return {layout: seconds[0] for layout, seconds in measured.items()}
 
 
 def measure_verify(target, layouts: list[str], sizes: tuple[int, ...], kv_length: int = 256, rounds: int = 3,
@@ -309,14 +302,6 @@ def packed_min_rows(probe: tuple[int, ...], stored: list[float], packed: list[fl
     return rows
 
 
-def _panels_possible(model: nn.Module) -> tuple[bool, str]:
-    if next(model.parameters()).dtype != torch.float32:
-        return False, "the panel kernel is float32 only"
-    if kernels.library() is None:
-        return False, kernels.unavailable_reason()
-    return True, ""
-
-
 def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=None) -> str:
     """Apply `requested` (auto: measured, see the module docstring) to target.model; returns the layout used."""
     check_layout(requested)
@@ -342,7 +327,8 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     packed = f"{storage}+packed"
     rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
     layout = layout_name(storage, rows)
-    possible, no_panels = _panels_possible(model) if fits else (False, why_not)
+    no_panels = panels_unavailable(model) if fits else why_not
+    possible = not no_panels
     panels = cached.get("panel_seconds") if cached.get("panel_probe") == list(PANEL_PROBE) else None
     if panels is not None and layout not in panels:
         panels = None  # measured against another choice (the machine measured differently since)
