@@ -58,8 +58,10 @@ def target_hidden_states(target: nn.Module, batch: dict[str, Any], layers: list[
             raise ValueError(f"--features: the shards hold {sorted(batch['features'])}, this method needs "
                              f"{missing}; write shards for those layers")
         return [batch["features"][feature_name(i)] for i in layers]
+    # logits_to_keep=1: the methods apply the LM head themselves to the rows they need; over every position it
+    # would be a fifth of the forward (49k rows here) for nothing.
     out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                 use_cache=False)
+                 use_cache=False, logits_to_keep=1)
     return [out.hidden_states[i] for i in layers]
 
 
