@@ -96,3 +96,25 @@ def test_rows_of_a_batch_each_get_their_own_guard_and_drafter_state():
             rows[b].extend(new.tolist())
     for b, prompt in enumerate(prompts):
         assert rows[b] == run_ours(target, Autoregressive(), prompt, _config(24)).tokens
+
+
+def test_the_head_rests_only_on_evidence_that_it_loses():
+    """Bursty acceptance whose mean dips just under the cost keeps the head drafting (the estimate is read with its
+    standard error); steady acceptance under the cost rests it; confidence 0 reads the estimate alone."""
+    committed = PROMPT.clone()
+    chain = Draft(tokens=committed[-3:], tree=Tree.chain(2))
+
+    def feed(guard: PayingGuard, lengths: list[int]) -> PayingGuard:
+        for length in lengths:
+            guard.on_accept(committed, chain, list(range(length)), None)
+        return guard
+
+    bursty = [1, 1, 1, 3, 1, 1, 1, 1, 2, 1] * 4  # mean 1.3 against a cost of 1.35
+    optimistic = feed(PayingGuard(Autoregressive(), step_cost=1.35, expected_tau=1.4), bursty)
+    assert optimistic.estimated_tau < optimistic.step_cost <= optimistic.optimistic_tau and optimistic.pays()
+    plain = feed(PayingGuard(Autoregressive(), step_cost=1.35, expected_tau=1.4, confidence=0.0), bursty)
+    assert plain.optimistic_tau == plain.estimated_tau and not plain.pays()
+    steady = feed(PayingGuard(Autoregressive(), step_cost=1.35, expected_tau=1.4), [1] * 40)
+    assert not steady.pays()
+    with pytest.raises(ValueError, match="confidence"):
+        PayingGuard(Autoregressive(), step_cost=1.2, expected_tau=1.5, confidence=-1.0)
