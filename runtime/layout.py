@@ -327,12 +327,11 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     packed = f"{storage}+packed"
     rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
     layout = layout_name(storage, rows)
-    no_panels = panels_unavailable(model) if fits else why_not
-    possible = not no_panels
+    no_panels = panels_unavailable(model) if fits else why_not  # '' when the panel kernel can serve this model
     panels = cached.get("panel_seconds") if cached.get("panel_probe") == list(PANEL_PROBE) else None
     if panels is not None and layout not in panels:
         panels = None  # measured against another choice (the machine measured differently since)
-    if panels is None and possible:
+    if panels is None and not no_panels:
         panels = measure_panels(target, layout) or None
     record = {"seconds": seconds}
     record |= {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
@@ -342,7 +341,7 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
 
         atomic_write_json(path, record)
     with_panels = f"{storage}+panels"
-    if possible and panels and panels_win(panels[layout], panels[with_panels]):
+    if not no_panels and panels and panels_win(panels[layout], panels[with_panels]):
         chosen = with_panels
     else:
         chosen = layout
@@ -353,7 +352,7 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
         packing = ("; oneDNN cannot pack these weights" if not verify else
                    f"; verifying {'/'.join(map(str, VERIFY_PROBE))} tokens {_ms(verify[storage])} ms, "
                    f"{_ms(verify[packed])} ms packed")
-        packing += (f"; no panels: {no_panels}" if not possible else
+        packing += (f"; no panels: {no_panels}" if no_panels else
                     f"; 1/{'/'.join(map(str, VERIFY_PROBE))} tokens {_ms(panels[layout])} ms as {layout}, "
                     f"{_ms(panels[with_panels])} ms with panels" if panels else "; the panel kernel failed here")
     print(f"weight layout: {chosen} (auto: a 1-token step {seconds['rows'] * 1e3:.1f} ms as loaded, "
