@@ -66,8 +66,10 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", f
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError(f"{flag} float16 on CPU: no fast float16 kernels here; use {flag} auto, bfloat16 or float32")
     if device.type == "cpu" and dtype == torch.bfloat16 and not fast_bf16(device):
-        warnings.warn(f"{flag} bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bf16 matmuls are emulated "
-                      f"(several times slower than float32); {flag} auto picks float32 here", stacklevel=2)
+        warnings.warn(f"{flag} bfloat16: this CPU has neither AVX512-BF16 nor AMX, so torch's bf16 matmuls are "
+                      f"emulated (several times slower than float32); the runtime's panel layout (--weight_layout auto "
+                      f"or +panels) runs them with its own kernel instead; {flag} auto picks float32 here",
+                      stacklevel=2)
     return dtype
 
 

@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "predicted_speedup": overall["predicted_speedup"],
                             "realised_over_predicted": overall["realised_over_predicted"],
                             "greedy_identical": overall["greedy_identical"],
+                            "identical_prompts": overall["greedy_identical_count"],
+                            "identical_to_plain_prompts": overall["identical_to_plain_count"],
                             **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
         payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
                    "max_new_tokens": decode.max_new_tokens, "methods": summary}
@@ -293,17 +295,21 @@ def print_summary(payload: dict[str, Any]) -> None:
     prediction from the heads' accuracy table (auto_pred)."""
     print(f"{payload['model']}: {payload['prompts']} prompts x {payload['max_new_tokens']} new tokens")
     print(f"{'method':<22} {'size':>4} {'tau':>5} {'plain/s':>8} {'method/s':>9} {'speedup':>7} {'draft':>6} "
-          f"{'verify':>6} {'ovhd':>5} {'ident':>5} {'pred':>5} {'r/p':>5} {'auto_pred':>9}")
+          f"{'verify':>6} {'ovhd':>5} {'ident':>5} {'=plain':>6} {'pred':>5} {'r/p':>5} {'auto_pred':>9}")
     for m in payload["methods"]:
         size = "-" if m["size"] is None else str(m["size"])
         ident = {True: "yes", False: "NO", None: "-"}[m["greedy_identical"]]
+        if m.get("identical_prompts") is not None and not m["greedy_identical"]:
+            ident = f"{m['identical_prompts']}/{payload['prompts']}"
+        same = m.get("identical_to_plain_prompts")
+        same = "-" if same is None else f"{same}/{payload['prompts']}"
         predicted = "-"
         if "predicted_tokens_per_second" in m:  # the cost model's speed-up for the auto choice
             predicted = f"{m['predicted_tokens_per_second'] / m['predicted_plain_tokens_per_second']:.2f}"
         print(f"{m['method']:<22} {size:>4} {m['tau']:>5.2f} {m['plain_tokens_per_second']:>8.2f} "
               f"{m['method_tokens_per_second']:>9.2f} {m['speedup_total']:>7.2f} {m['draft_share']:>6.2f} "
-              f"{m['verify_share']:>6.2f} {m['overhead_share']:>5.2f} {ident:>5} {_fmt(m['predicted_speedup'], '5.2f')} "
-              f"{_fmt(m['realised_over_predicted'], '5.2f')} {predicted:>9}")
+              f"{m['verify_share']:>6.2f} {m['overhead_share']:>5.2f} {ident:>5} {same:>6} "
+              f"{_fmt(m['predicted_speedup'], '5.2f')} {_fmt(m['realised_over_predicted'], '5.2f')} {predicted:>9}")
 
 
 if __name__ == "__main__":

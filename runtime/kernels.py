@@ -1,5 +1,5 @@
-"""A matrix product for the few rows of CPU decoding, compiled on the user's machine: y = x @ W.T + b for 1 to
-PANEL_MAX_ROWS rows of float32, streaming each weight from memory once per 12 rows.
+"""A matrix product for the few rows of CPU decoding, compiled on the user's machine: y = x @ W.T + b for float32 or
+bfloat16 rows and weights, streaming each weight from memory once per 12 rows.
 
 Why: at batch 1 a decode step and a verify forward multiply a handful of rows by weights that do not fit in cache,
 so the product is bound by reading the weights. The BLAS does that for one row (matrix-vector) but switches to a
@@ -7,17 +7,21 @@ packing matrix-matrix kernel from two rows on, and on this AVX2 VM a 2-token ver
 step and 8 tokens ~2x (README, "Weight layout"): the arithmetic that made speculation unable to pay here. This
 kernel reads the weight once, laid out in panels of 8 output columns ([ceil(N/8), K, 8], zero-padded), and keeps
 one vector accumulator per row and panel in registers, so 2-8 rows cost about what one row costs. Measured on the
-whole set of SmolLM2-135M's Linear weights (30 layers + the 49,152-row LM head), one thread: 1 / 2 / 4 / 8 / 12
-rows 32 / 33 / 45 / 61 / 74 ms, against 41 / 58 / 95 / 111 / 122 ms for `F.linear` on transposed storage (and
-58 / 63 / 75 / 84 / 94 ms for oneDNN's packed weights, another run); after widening the side-by-side panels for 3-8
-rows (below), 26 / 27 / 38 / 59 / 76 ms on a quieter machine.
+whole set of SmolLM2-135M's Linear weights (30 layers + the 49,152-row LM head), one thread, 1 / 2 / 4 / 8 / 12
+rows: float32 panels 25 / 27 / 31 / 44 / 68 ms, bfloat16 panels 15 / 17 / 26 / 39 / 51 ms, against 38 / 56 / 96 /
+106 / 120 ms for float32 `F.linear` on transposed storage (and 4-8x that for torch's bfloat16 products, which it
+emulates on CPUs without AVX512-BF16/AMX).
+
+bfloat16: the panels keep the weight's 16 bits (half the bytes to stream), widened to float32 in registers (a
+16-bit shift); bfloat16 rows are widened per pass, every product is summed in float32 and the result rounded once to
+nearest even, as torch rounds. So a bfloat16 model runs its Linear layers at memory speed on any AVX2 CPU.
 
 Batch-invariant: every output element is the same serial chain of multiply-adds over k whatever the number of rows
-in the call (small row counts run several panels side by side for instruction-level parallelism: 8 panels for one
-row, 6 for two, 4 for three, 3 for four or five, 2 for six to eight; never a different summation order; the
-multiply-add is an explicit FMA where the CPU has one and `-ffp-contract=off` keeps the compiler from fusing
-anything else, because it fused in some kernels and not in others, changing the last bit), so a row's result does
-not depend on what else was verified with it.
+in the call (small row counts run several panels side by side for instruction-level parallelism, a count per row
+count and weight type measured best on the SmolLM2 weights; never a different summation order; the multiply-add is
+an explicit FMA where the CPU has one and `-ffp-contract=off` keeps the compiler from fusing anything else, because
+it fused in some kernels and not in others, changing the last bit), so a row's result does not depend on what else
+was verified with it.
 
 The C source below is compiled once per machine with the system C compiler (`$CC`, else `cc`) and
 `-O3 -march=native` into `$SPECHEADS_CACHE/kernels/` (atomic; keyed by the source, the flags, the compiler and the
@@ -43,43 +47,25 @@ PASS_ROWS = 12  # rows per pass over the weights (accumulators that fit in 16 ve
 PANEL_MAX_ROWS = 16  # products of more rows (prefill) go to the BLAS, which is faster there
 
 SOURCE = r"""
+#include <stdlib.h>
 #include <string.h>
 typedef float v8 __attribute__((vector_size(32)));
-#if defined(__FMA__) && defined(__AVX__)
+typedef unsigned short bf16;  /* the upper half of a float32 */
+#if defined(__FMA__) && defined(__AVX2__)
 #include <immintrin.h>
 #define MADD(acc, s, w) ((acc) = (v8)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)(w), (__m256)(acc)))
+static inline v8 load_bf16(const bf16 *w) {
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16);
+}
 #else
 #define MADD(acc, s, w) ((acc) += (s) * (w))
-#endif
-
-/* Rows x[0..MR) times PP panels at a time; each output is one FMA chain over k in order 0..K-1. */
-#define KERNEL(MR, PP)                                                                                   \
-static void kernel_##MR(const float *x, long K, const float *panels, long N, const float *bias, float *y, \
-                        long ldy, long first, long last) {                                                \
-  long p = first;                                                                                       \
-  for (; p + PP <= last; p += PP) {                                                                      \
-    v8 acc[PP][MR];                                                                                      \
-    for (int q = 0; q < PP; q++) for (int m = 0; m < MR; m++) acc[q][m] = (v8){0, 0, 0, 0, 0, 0, 0, 0};  \
-    const float *w = panels + p * K * 8;                                                                 \
-    for (long k = 0; k < K; k++) {                                                                       \
-      for (int q = 0; q < PP; q++) {                                                                     \
-        v8 wk; memcpy(&wk, w + (q * K + k) * 8, 32);                                                     \
-        for (int m = 0; m < MR; m++) MADD(acc[q][m], x[m * K + k], wk);                                     \
-      }                                                                                                  \
-    }                                                                                                    \
-    for (int q = 0; q < PP; q++) store(acc[q], MR, p + q, N, bias, y, ldy);                              \
-  }                                                                                                      \
-  for (; p < last; p++) {                                                                                \
-    v8 acc[MR];                                                                                          \
-    for (int m = 0; m < MR; m++) acc[m] = (v8){0, 0, 0, 0, 0, 0, 0, 0};                                  \
-    const float *w = panels + p * K * 8;                                                                 \
-    for (long k = 0; k < K; k++) {                                                                       \
-      v8 wk; memcpy(&wk, w + k * 8, 32);                                                                 \
-      for (int m = 0; m < MR; m++) MADD(acc[m], x[m * K + k], wk);                                          \
-    }                                                                                                    \
-    store(acc, MR, p, N, bias, y, ldy);                                                                  \
-  }                                                                                                      \
+static inline v8 load_bf16(const bf16 *w) {
+  unsigned int u[8]; v8 r;
+  for (int j = 0; j < 8; j++) u[j] = (unsigned int)w[j] << 16;
+  memcpy(&r, u, 32); return r;
 }
+#endif
+static inline v8 load_f32(const float *w) { v8 r; memcpy(&r, w, 32); return r; }
 
 static void store(const v8 *acc, int rows, long p, long N, const float *bias, float *y, long ldy) {
   long n0 = p * 8, width = N - n0 < 8 ? N - n0 : 8;
@@ -90,31 +76,92 @@ static void store(const v8 *acc, int rows, long p, long N, const float *bias, fl
   }
 }
 
-/* panels side by side per row count: 8-16 accumulators, measured best on the SmolLM2 weights (AVX2) */
-KERNEL(1, 8) KERNEL(2, 6) KERNEL(3, 4) KERNEL(4, 3) KERNEL(5, 3) KERNEL(6, 2)
-KERNEL(7, 2) KERNEL(8, 2) KERNEL(9, 1) KERNEL(10, 1) KERNEL(11, 1) KERNEL(12, 1)
+/* Rows x[0..MR) times PP panels at a time; each output is one FMA chain over k in order 0..K-1. */
+#define KERNEL(NAME, WT, LOAD, MR, PP)                                                                   \
+static void NAME##_##MR(const float *x, long K, const void *all, long N, const float *bias, float *y,     \
+                        long ldy, long first, long last) {                                                \
+  const WT *panels = (const WT *)all;                                                                    \
+  long p = first;                                                                                       \
+  for (; p + PP <= last; p += PP) {                                                                      \
+    v8 acc[PP][MR];                                                                                      \
+    for (int q = 0; q < PP; q++) for (int m = 0; m < MR; m++) acc[q][m] = (v8){0, 0, 0, 0, 0, 0, 0, 0};  \
+    const WT *w = panels + p * K * 8;                                                                    \
+    for (long k = 0; k < K; k++) {                                                                       \
+      for (int q = 0; q < PP; q++) {                                                                     \
+        v8 wk = LOAD(w + (q * K + k) * 8);                                                               \
+        for (int m = 0; m < MR; m++) MADD(acc[q][m], x[m * K + k], wk);                                  \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int q = 0; q < PP; q++) store(acc[q], MR, p + q, N, bias, y, ldy);                              \
+  }                                                                                                      \
+  for (; p < last; p++) {                                                                                \
+    v8 acc[MR];                                                                                          \
+    for (int m = 0; m < MR; m++) acc[m] = (v8){0, 0, 0, 0, 0, 0, 0, 0};                                  \
+    const WT *w = panels + p * K * 8;                                                                    \
+    for (long k = 0; k < K; k++) {                                                                       \
+      v8 wk = LOAD(w + k * 8);                                                                           \
+      for (int m = 0; m < MR; m++) MADD(acc[m], x[m * K + k], wk);                                       \
+    }                                                                                                    \
+    store(acc, MR, p, N, bias, y, ldy);                                                                  \
+  }                                                                                                      \
+}
+typedef void (*kernel_t)(const float *, long, const void *, long, const float *, float *, long, long, long);
 
-typedef void (*kernel_t)(const float *, long, const float *, long, const float *, float *, long, long, long);
-static const kernel_t KERNELS[13] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
-                                     kernel_7, kernel_8, kernel_9, kernel_10, kernel_11, kernel_12};
+/* panels side by side per row count (1..12), measured best on the SmolLM2 weights (AVX2, one thread): float32
+   weights are bound by memory up to 12 rows, bfloat16 weights by arithmetic (the widening) from 4 rows on */
+KERNEL(f32, float, load_f32, 1, 8) KERNEL(f32, float, load_f32, 2, 6) KERNEL(f32, float, load_f32, 3, 8)
+KERNEL(f32, float, load_f32, 4, 6) KERNEL(f32, float, load_f32, 5, 8) KERNEL(f32, float, load_f32, 6, 8)
+KERNEL(f32, float, load_f32, 7, 6) KERNEL(f32, float, load_f32, 8, 8) KERNEL(f32, float, load_f32, 9, 8)
+KERNEL(f32, float, load_f32, 10, 8) KERNEL(f32, float, load_f32, 11, 8) KERNEL(f32, float, load_f32, 12, 8)
+KERNEL(b16, bf16, load_bf16, 1, 8) KERNEL(b16, bf16, load_bf16, 2, 6) KERNEL(b16, bf16, load_bf16, 3, 4)
+KERNEL(b16, bf16, load_bf16, 4, 2) KERNEL(b16, bf16, load_bf16, 5, 2) KERNEL(b16, bf16, load_bf16, 6, 6)
+KERNEL(b16, bf16, load_bf16, 7, 1) KERNEL(b16, bf16, load_bf16, 8, 1) KERNEL(b16, bf16, load_bf16, 9, 1)
+KERNEL(b16, bf16, load_bf16, 10, 1) KERNEL(b16, bf16, load_bf16, 11, 1) KERNEL(b16, bf16, load_bf16, 12, 1)
+static const kernel_t F32[13] = {0, f32_1, f32_2, f32_3, f32_4, f32_5, f32_6, f32_7, f32_8, f32_9, f32_10, f32_11,
+                                 f32_12};
+static const kernel_t B16[13] = {0, b16_1, b16_2, b16_3, b16_4, b16_5, b16_6, b16_7, b16_8, b16_9, b16_10, b16_11,
+                                 b16_12};
 
-/* y[M, N] = x[M, K] @ W.T (+ bias), W given as panels; rows split into equal passes of at most 12. */
-void panel_linear(const float *x, long M, long K, const float *panels, long N, const float *bias, float *y,
-                  int threads) {
+static float widen(bf16 h) { unsigned int u = (unsigned int)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static bf16 narrow(float f) {  /* round to nearest even, as torch rounds float32 to bfloat16; NaN stays NaN */
+  unsigned int u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+  return (bf16)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* y[M, N] = x[M, K] @ W.T (+ bias) with W as panels of float32 (weight_bf16 = 0) or bfloat16 values; x and y are
+   float32, or bfloat16 when io_bf16 (widened per pass, products summed in float32, rounded once on the way out).
+   Rows go in equal passes of at most 12; returns 0, or -1 when a pass buffer cannot be allocated. */
+int panel_linear(const void *x, long M, long K, const void *panels, int weight_bf16, long N, const float *bias,
+                 void *y, int io_bf16, int threads) {
+  const kernel_t *table = weight_bf16 ? B16 : F32;
   long passes = (M + 11) / 12, panel_count = (N + 7) / 8;
+  float *xs = 0, *ys = 0;
+  if (io_bf16 && !((xs = malloc(12 * K * sizeof(float))) && (ys = malloc(12 * N * sizeof(float))))) {
+    free(xs); return -1;
+  }
   for (long i = 0, m0 = 0; i < passes; i++) {
     long rows = (M - m0) / (passes - i);
+    const float *xp = (const float *)x + m0 * K;
+    float *yp = (float *)y + m0 * N;
+    if (io_bf16) {
+      for (long j = 0; j < rows * K; j++) xs[j] = widen(((const bf16 *)x)[m0 * K + j]);
+      xp = xs; yp = ys;
+    }
     if (threads <= 1) {
-      KERNELS[rows](x + m0 * K, K, panels, N, bias, y + m0 * N, N, 0, panel_count);
+      table[rows](xp, K, panels, N, bias, yp, N, 0, panel_count);
     } else {
       #pragma omp parallel for num_threads(threads) schedule(static)
       for (long t = 0; t < threads; t++) {
         long first = panel_count * t / threads, last = panel_count * (t + 1) / threads;
-        KERNELS[rows](x + m0 * K, K, panels, N, bias, y + m0 * N, N, first, last);
+        table[rows](xp, K, panels, N, bias, yp, N, first, last);
       }
     }
+    if (io_bf16) for (long j = 0; j < rows * N; j++) ((bf16 *)y)[m0 * N + j] = narrow(ys[j]);
     m0 += rows;
   }
+  free(xs); free(ys);
+  return 0;
 }
 """
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
@@ -170,8 +217,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (RuntimeError, OSError) as error:
         return None, str(error)
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    library.panel_linear.argtypes = [pointer, long, long, pointer, long, pointer, pointer, ctypes.c_int]
-    library.panel_linear.restype = None
+    flag = ctypes.c_int
+    library.panel_linear.argtypes = [pointer, long, long, pointer, flag, long, pointer, pointer, flag, flag]
+    library.panel_linear.restype = ctypes.c_int
     return library, ""
 
 
@@ -184,11 +232,15 @@ def unavailable_reason() -> str:
     return _load()[1]
 
 
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weight (any strides) -> contiguous float32 panels [ceil(N/8), K, 8], zero rows padding N."""
+    """[N, K] weight (any strides) -> contiguous panels [ceil(N/8), K, 8], zero rows padding N; bfloat16 weights stay
+    bfloat16 (half the bytes to stream), every other dtype becomes float32."""
     out_features, in_features = weight.shape
     padded = -(-out_features // PANEL) * PANEL
-    rows = weight.detach().to(torch.float32)
+    rows = weight.detach().to(weight.dtype if weight.dtype in PANEL_DTYPES else torch.float32)
     if padded != out_features:
         rows = torch.cat([rows, rows.new_zeros(padded - out_features, in_features)])
     return rows.reshape(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
@@ -196,19 +248,25 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 on CPU (at most PANEL_MAX_ROWS rows, or any number: passes of 12) times the weight
-    whose panels these are; the result of F.linear up to float rounding."""
+    """x [..., K] float32 or bfloat16 on CPU (any number of rows: passes of 12) times the weight whose panels these
+    are (float32 or bfloat16); products summed in float32 in a fixed order, the result in x's dtype: F.linear's up
+    to float rounding (bfloat16: rounded once, to nearest even, like torch)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
     in_features = x.shape[-1]
-    if panels.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+    if (panels.shape[1] != in_features or x.dtype not in PANEL_DTYPES or panels.dtype not in PANEL_DTYPES
+            or x.device.type != "cpu"):
         raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit panels "
-                         f"{tuple(panels.shape)} (float32 CPU, same in_features)")
+                         f"{tuple(panels.shape)} {panels.dtype} (float32 or bfloat16 on a CPU, same in_features)")
     flat = x.reshape(-1, in_features).contiguous()
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+    out = torch.empty(flat.shape[0], out_features, dtype=x.dtype)
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
-    lib.panel_linear(flat.data_ptr(), flat.shape[0], in_features, panels.data_ptr(), out_features,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    failed = lib.panel_linear(flat.data_ptr(), flat.shape[0], in_features, panels.data_ptr(),
+                              int(panels.dtype == torch.bfloat16), out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(),
+                              int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"panel_linear: no memory for a pass buffer of 12 x {max(in_features, out_features)}")
     return out.reshape(*x.shape[:-1], out_features)

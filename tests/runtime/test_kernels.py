@@ -29,6 +29,31 @@ def test_panel_linear_equals_linear_for_every_row_count(out_features, in_feature
             assert torch.equal(part, flat[:rows])  # batch-invariant: the same FMA chain per output, bit for bit
 
 
+@pytest.mark.parametrize(("weight_dtype", "io_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.bfloat16)])
+def test_bfloat16_panels_and_rows_sum_in_float32_and_round_once(weight_dtype, io_dtype):
+    """bfloat16 weights stay bfloat16 in the panels (half the bytes); bfloat16 rows are widened, summed in float32 and
+    rounded once to nearest even: equal to float32 F.linear on the same values rounded the way torch rounds, except
+    where the float32 sums differ in their last bit and that bit decides the rounding; batch-invariant, any row count
+    (the layout sends bf16 prefill through it too)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(203, 96, generator=generator).to(weight_dtype)
+    bias = torch.randn(203, generator=generator)
+    panels = kernels.pack_panels(weight)
+    assert panels.dtype == weight_dtype and panels.shape == (26, 96, 8)
+    x = torch.randn(40, 96, generator=generator).to(io_dtype)
+    out = kernels.panel_linear(x, panels, 203, bias)
+    assert out.dtype == io_dtype
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    reference = exact.to(io_dtype)  # the exact sum rounded once: what a float32 sum rounds to but for ties of ulps
+    mismatch = (out != reference).float().mean().item()
+    assert mismatch < (0.01 if io_dtype == torch.bfloat16 else 1.0)
+    spacing = 2.0 ** -7 if io_dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((out.double() - exact).abs() <= exact.abs() * spacing + 1e-4).all()
+    for rows in (1, 2, 4, 5, 8, 12, 13, 25):
+        assert torch.equal(kernels.panel_linear(x[:rows], panels, 203, bias), out[:rows])
+
+
 def test_threads_split_panels_without_changing_a_bit():
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 64, generator=generator)
@@ -49,7 +74,7 @@ def test_bad_input_and_a_missing_compiler_are_named(tmp_path, monkeypatch):
     panels = kernels.pack_panels(torch.randn(16, 8))
     with pytest.raises(ValueError, match="does not fit panels"):
         kernels.panel_linear(torch.randn(2, 9), panels, 16)
-    with pytest.raises(ValueError, match="float32 CPU"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 on a CPU"):
         kernels.panel_linear(torch.randn(2, 8, dtype=torch.float64), panels, 16)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(RuntimeError, match="no-such-cc"):

@@ -73,3 +73,32 @@ def test_eos_ids_from_generation_config():
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 7]
     assert TargetModel(model).eos_token_ids() == (2, 7)
+
+
+def test_bf16_attention_runs_in_float32_on_cpus_without_native_bf16(monkeypatch):
+    """A bfloat16 model on a CPU without AVX512-BF16/AMX: inside our forwards transformers' sdpa receives q/k/v in
+    float32 (torch's bf16 kernel is emulated there) and returns bf16; outside them the registry is untouched; with
+    native bf16 nothing is wrapped. The tree forward still equals per-path forwards (runtime.verify_check)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from runtime import target as target_module
+    from runtime.verify_check import check_mode
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(query.dtype)
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spy)
+    for native, expected in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(target_module, "fast_bf16", lambda device, native=native: native)
+        model = tiny_model("llama").to(torch.bfloat16)
+        target = TargetModel(model)
+        seen.clear()
+        logits = target.prefill(torch.randint(3, 256, (7,))).logits
+        assert logits.dtype == torch.bfloat16 and set(seen) == {expected}
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is spy
+    monkeypatch.setattr(target_module, "fast_bf16", lambda device: False)
+    assert check_mode(tiny_model("llama").to(torch.bfloat16), "tree") < 5e-2
