@@ -120,9 +120,11 @@ class GenerateArguments:
                 "1-token step is at least 5 percent faster, plus a oneDNN-packed copy for products of N+ rows from "
                 "the verify size (2/3/4/8) where packing wins from there on, or panels where they win; cached), "
                 "rows (as loaded), transposed, rows+packed or transposed+packed (from 2 rows), ...+packedN (from "
-                "N rows), rows+panels or transposed+panels (our compiled kernel for 1-16 rows, float32; auto takes "
-                "it where it is faster); "
-                "a packed or panel copy costs one more copy of the Linear weights"})
+                "N rows), rows+panels or transposed+panels (our compiled kernel: float32 weights for 1-16 rows, "
+                "bfloat16 weights, or float32 ones that are all bf16 values, for every row count; auto takes it "
+                "where it is faster), ...+panels_bf16 (float32 weights rounded to bfloat16 in the panels: half the "
+                "bytes, activations stay float32; explicit only, it changes the weights); "
+                "a packed or panel copy costs one more copy of the Linear weights (half of one in bf16)"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager (custom 4D masks)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     seed: int = field(default=0, metadata={"help": "random seed for sampling"})

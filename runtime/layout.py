@@ -8,8 +8,14 @@ rows (verify forwards) use; a one-row product (a plain decode step) and anything
 weight and its kernel. `+panels` instead adds a copy in the 8-column panels of our compiled small-row kernel
 (runtime.kernels), which serves every product of 1 to PANEL_MAX_ROWS rows (decode steps and verify forwards alike)
 reading the weight once, so a verify of 2-8 tokens costs about what one token costs; more rows (prefill) and
-autograd keep the stored weight. A bfloat16 model's panels are bfloat16 and serve every row count, prefill
-included (torch emulates bfloat16 products on CPUs without AVX512-BF16/AMX; the kernel is 5-10x faster there). Nothing else changes: same values, same modules, tied weights stay tied (the shared
+autograd keep the stored weight. Panels are bfloat16 for a bfloat16 model and for float32 weights that are all
+bfloat16 values (a bf16 checkpoint loaded in float32: the same products to the last bit from half the bytes), and
+bfloat16 panels serve every row count, prefill included (faster than the float32 BLAS even at 64-128 rows; torch
+emulates bf16 products on CPUs without AVX512-BF16/AMX, the kernel is 5-10x faster there). `+panels_bf16` rounds
+float32 weights to bfloat16 in the panels on request (activations, attention and the KV cache stay float32; the
+stored weight is untouched, so `rows` gives the original model back); auto never picks it, since it changes the
+weights. SmolLM2-135M, one thread, KV 256, 1 / 2 / 4 / 8 / 16 tokens: float32 transposed+panels 52 / 55 / 64 / 78 /
+122 ms, bfloat16 rows+panels 41 / 42 / 53 / 68 / 110 ms, float32 transposed+panels_bf16 37 / 39 / 50 / 65 / 101 ms. Nothing else changes: same values, same modules, tied weights stay tied (the shared
 parameter is re-laid and packed once); output moves by float rounding only.
 Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the cost model's verify timing, KV 256): a 1-token
 step 71 ms as loaded, 56-62 ms transposed; verifying 2 / 4 / 8 tokens 84-90 / 123-138 / 137-156 ms transposed,
@@ -44,9 +50,10 @@ from torch import nn
 
 from runtime import kernels
 
-LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels")
+LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels",
+           "rows+panels_bf16", "transposed+panels_bf16")
 LAYOUT_HELP = ("auto / rows / transposed / rows+packed / transposed+packed / ...+packedN / rows+panels / "
-               "transposed+panels (runtime.layout)")  # CLI flag help; `+packedN`: the packed copy from N rows
+               "transposed+panels / ...+panels_bf16 (runtime.layout)")  # `+packedN`: the packed copy from N rows
 MIN_PARAMETERS = 10_000_000
 MIN_GAIN = 0.05
 PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
@@ -55,22 +62,23 @@ PANEL_PROBE = (1, *VERIFY_PROBE)  # and with panels (their 1-token step is plain
 _PACKED = "_specheads_packed"
 _PACKED_ROWS = "_specheads_packed_rows"
 _PANELS = "_specheads_panels"
-_LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?|\+panels)?")
+_ROUNDED = "_specheads_panels_rounded"  # panels rounded to bfloat16 on request (`+panels_bf16`)
+_LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?|\+panels(_bf16)?)?")
 
 
-def parse_layout(layout: str) -> tuple[str, int | None, bool]:
-    """'transposed+packed3' -> ('transposed', 3, False); '+packed' alone packs from 2 rows; no packing -> None;
-    'rows+panels' -> ('rows', None, True)."""
+def parse_layout(layout: str) -> tuple[str, int | None, str | None]:
+    """'transposed+packed3' -> ('transposed', 3, None); '+packed' alone packs from 2 rows; no packing -> None;
+    'rows+panels' -> ('rows', None, 'panels'); 'rows+panels_bf16' -> ('rows', None, 'panels_bf16')."""
     match = _LAYOUT.fullmatch(layout)
     if match is None:
         raise ValueError(f"weight layout must be one of {LAYOUTS[1:]} or `+packedN`, got {layout!r}")
-    panels = match[2] == "+panels"
+    panels = match[2][1:] if match[2] and match[2].startswith("+panels") else None
     return match[1], (int(match[3] or 2) if match[2] and not panels else None), panels
 
 
-def layout_name(storage: str, packed_rows: int | None, panels: bool = False) -> str:
+def layout_name(storage: str, packed_rows: int | None, panels: str | None = None) -> str:
     if panels:
-        return storage + "+panels"
+        return f"{storage}+{panels}"
     return storage + ("" if packed_rows is None else "+packed" + ("" if packed_rows == 2 else str(packed_rows)))
 
 
@@ -127,7 +135,9 @@ def layout_of(model: nn.Module) -> str:
     weights = linear_weights(model)
     storage = "transposed" if weights and all(_is_transposed(w) for w in weights) else "rows"
     packed_rows = next((m.__dict__[_PACKED_ROWS] for m in linear_modules(model) if _PACKED in m.__dict__), None)
-    return layout_name(storage, packed_rows, any(_PANELS in m.__dict__ for m in linear_modules(model)))
+    modules = [m for m in linear_modules(model) if _PANELS in m.__dict__]
+    panels = None if not modules else "panels_bf16" if modules[0].__dict__.get(_ROUNDED) else "panels"
+    return layout_name(storage, packed_rows, panels)
 
 
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -142,20 +152,23 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _panels_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward through the panel kernel without autograd: float32 for 1 to PANEL_MAX_ROWS rows (more rows,
-    prefill, go to the BLAS, faster there), bfloat16 for every row count (torch emulates bfloat16 products on CPUs
-    without AVX512-BF16/AMX, 5x slower than the kernel even at 64 rows); anything else keeps the stored weight."""
+    """nn.Linear.forward through the panel kernel without autograd: float32 panels for 1 to PANEL_MAX_ROWS rows (more
+    rows, prefill, go to the BLAS, faster there), bfloat16 panels for every row count (faster than the float32 BLAS
+    even at 64-128 rows, and 5x faster than torch's bf16 products on CPUs without AVX512-BF16/AMX, which it
+    emulates; rounded panels must serve prefill too, so the whole forward uses the rounded weights); anything else
+    (autograd, another dtype) keeps the stored weight."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.dtype != module.weight.dtype or torch.is_grad_enabled() or rows == 0:
+    panels = module.__dict__[_PANELS]
+    if x.dtype not in (module.weight.dtype, torch.float32) or torch.is_grad_enabled() or rows == 0:
         return nn.functional.linear(x, module.weight, module.bias)
-    if x.dtype != torch.bfloat16 and rows > kernels.PANEL_MAX_ROWS:
+    if panels.dtype != torch.bfloat16 and rows > kernels.PANEL_MAX_ROWS:
         return nn.functional.linear(x, module.weight, module.bias)
-    return kernels.panel_linear(x, module.__dict__[_PANELS], module.out_features, module.bias)
+    return kernels.panel_linear(x, panels, module.out_features, module.bias)
 
 
 def _unpack(model: nn.Module) -> None:
     for module in linear_modules(model):
-        for key in (_PACKED, _PACKED_ROWS, _PANELS):
+        for key in (_PACKED, _PACKED_ROWS, _PANELS, _ROUNDED):
             module.__dict__.pop(key, None)
         if getattr(module.__dict__.get("forward"), "__func__", None) in (_packed_forward, _panels_forward):
             del module.__dict__["forward"]
@@ -202,18 +215,35 @@ def panels_unavailable(model: nn.Module) -> str:
     return "" if kernels.library() is not None else f"the panel kernel is unavailable ({kernels.unavailable_reason()})"
 
 
-def _add_panels(model: nn.Module) -> None:
+def _panel_copy(weight: torch.Tensor, rounded: bool) -> torch.Tensor:
+    """Panels in bfloat16 when the weight is bfloat16, when every float32 value is one (a bf16 checkpoint loaded in
+    float32: the same numbers in half the bytes, so the same products to the last bit), or when rounding is asked
+    for (`+panels_bf16`); float32 panels otherwise."""
+    if weight.dtype == torch.float32 and (rounded or torch.equal(weight.to(torch.bfloat16).float(), weight)):
+        weight = weight.to(torch.bfloat16)
+    return kernels.pack_panels(weight)
+
+
+def _add_panels(model: nn.Module, rounded: bool) -> None:
     why_not = panels_unavailable(model)
     if why_not:
         raise ValueError(f"--weight_layout +panels: {why_not}")
-    _attach(model, _PANELS, kernels.pack_panels, _panels_forward)
+    weights = linear_weights(model)
+    if rounded and weights and weights[0].dtype != torch.float32:
+        raise ValueError(f"--weight_layout +panels_bf16 rounds float32 weights to bfloat16; these are "
+                         f"{weights[0].dtype} (use +panels)")
+    _attach(model, _PANELS, lambda weight: _panel_copy(weight, rounded), _panels_forward,
+            **({_ROUNDED: True} if rounded else {}))
 
 
 @torch.no_grad()
 def set_layout(model: nn.Module, layout: str) -> None:
     """Re-lay every Linear weight as `rows` or `transposed` (values unchanged; one weight copied at a time) and, for
     `...+packed[N]`, add a oneDNN-packed copy of each weight that products of N (default 2) or more rows use; for
-    `...+panels`, a panel copy that products of 1 to PANEL_MAX_ROWS rows use (runtime.kernels)."""
+    `...+panels`, a panel copy that products of 1 to PANEL_MAX_ROWS rows use (runtime.kernels; bfloat16 panels, for
+    bf16 weights or float32 ones that are all bf16 values, serve every row count); `...+panels_bf16` rounds float32
+    weights to bfloat16 in the panels (half the bytes; activations, attention and the cache stay float32), the
+    stored weight left as it is."""
     storage, packed, panels = parse_layout(layout)
     _unpack(model)
     for weight in linear_weights(model):
@@ -224,7 +254,7 @@ def set_layout(model: nn.Module, layout: str) -> None:
     if packed is not None:
         _pack(model, packed)
     if panels:
-        _add_panels(model)
+        _add_panels(model, rounded=panels == "panels_bf16")
 
 
 @contextmanager

@@ -130,6 +130,68 @@ def test_bfloat16_panels_serve_every_row_count():
     assert (after.float() - before).abs().max() < 0.25 and (after.float().argmax(-1) == before.argmax(-1)).float().mean() > 0.9
 
 
+def test_float32_weights_that_are_bf16_values_get_bf16_panels_with_the_same_products():
+    """A bf16 checkpoint loaded in float32: every weight is a bfloat16 value, so `+panels` stores bf16 panels (half
+    the bytes) and every product equals the float32 panels' to the last bit; the layout name does not change."""
+    from runtime import kernels
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    model = stories260k()
+    with torch.no_grad():
+        for weight in linear_weights(model):
+            weight.copy_(weight.to(torch.bfloat16).float())
+    set_layout(model, "rows+panels")
+    assert layout_of(model) == "rows+panels"
+    module = model.model.layers[0].mlp.down_proj
+    assert module.__dict__[layout._PANELS].dtype == torch.bfloat16
+    x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(module(x), kernels.panel_linear(x, kernels.pack_panels(module.weight), module.out_features))
+
+
+def test_panels_bf16_round_float32_weights_for_every_row_count_and_leave_the_stored_weight():
+    """`+panels_bf16`: the panels hold the weights rounded to bfloat16 and serve prefill too, so the forward is the
+    rounded model's in float32 (activations, attention, cache and the tied embedding lookups stay as they were); back
+    to `rows`, the stored weights
+    give the original logits bit for bit; refused for weights that are not float32; speculative output equals plain
+    decoding on the same layout."""
+    import copy
+
+    from runtime import kernels
+    from runtime.proposers import Autoregressive
+
+    if kernels.library() is None:
+        pytest.skip(kernels.unavailable_reason())
+    model = stories260k()
+    rounded = copy.deepcopy(model)
+    rounded.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())  # lookups unrounded
+    with torch.no_grad():
+        for weight in linear_weights(rounded):
+            weight.copy_(weight.to(torch.bfloat16).float())
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, reference = model(ids).logits, rounded(ids).logits
+        set_layout(model, "transposed+panels_bf16")
+        assert layout_of(model) == "transposed+panels_bf16"
+        assert model.lm_head.__dict__[layout._PANELS].dtype == torch.bfloat16
+        after, few = model(ids).logits, model(ids[:, :5]).logits
+    torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-4)  # 24 rows: the panels too
+    torch.testing.assert_close(few, reference[:, :5], rtol=1e-4, atol=1e-4)
+    assert (after - before).abs().max() > 10 * (after - reference).abs().max()  # the rounding shows
+    target = TargetModel(model)
+    prompt = torch.tensor([1, 403, 407, 261, 400, 292, 327, 471, 263, 403, 407])
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
+    plain = run_ours(target, Autoregressive(), prompt, config)
+    ours = run_ours(target, PromptLookupProposer(), prompt, config)
+    assert ours.tokens == plain.tokens and ours.stats.drafted_per_depth[0] > 0
+    set_layout(model, "rows")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    with pytest.raises(ValueError, match="\\+panels_bf16.*bfloat16"):
+        set_layout(stories260k().to(torch.bfloat16), "rows+panels_bf16")
+
+
 def test_panels_win_only_when_faster_overall_and_not_slower_at_one_token():
     base = [0.060, 0.090, 0.100, 0.110, 0.130]
     assert layout.panels_win(base, [0.058, 0.065, 0.075, 0.080, 0.100])
