@@ -32,6 +32,7 @@ from torch import Tensor
 from heads.base import target_modules
 from heads.eagle import EagleDraft
 from heads.layers import LayerKV
+from runtime.layout import match_panels
 from runtime.proposers.base import Draft, root_only
 from runtime.proposers.draft_vocab import DraftVocab
 from runtime.proposers.tree_drafting import (
@@ -78,6 +79,8 @@ class EagleProposer:
         self.vocab = DraftVocab.of(heads, self.vocab_size)
         # EAGLE-1/2 project through the target's LM head: only its draft-vocabulary rows, gathered once.
         self.draft_lm_head = self.vocab.linear(modules.lm_head) if heads.config.kind == "eagle" else None
+        if self.draft_lm_head is not None:
+            match_panels(self.draft_lm_head, target_model)  # a reduced copy: the target's panels do not serve it
         self.hidden_state_indices = tuple(heads.config.target_layers)
         self.generator = torch.Generator().manual_seed(seed + 3) if seed is not None else None
         self.dtype = next(heads.parameters()).dtype

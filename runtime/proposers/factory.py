@@ -33,6 +33,7 @@ from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
 from runtime.cost_model import chain_expected_tau
+from runtime.layout import match_panels
 from runtime.planner import DrafterFamily, DraftProfile, Plan, plan_drafter
 from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
@@ -153,9 +154,12 @@ def _load(heads: str | Path | torch.nn.Module, target: TargetModel, target_name:
         from heads.checkpoint import check_compatible
 
         check_compatible(heads.config, target.model, target_name=target_name, source="--heads")
-        return heads.to(device=target.device, dtype=target.dtype).eval()
-    return load_heads(heads, target=target.model, target_name=target_name, revision=revision,
-                      device=target.device, dtype=target.dtype)
+        module = heads.to(device=target.device, dtype=target.dtype).eval()
+    else:
+        module = load_heads(heads, target=target.model, target_name=target_name, revision=revision,
+                            device=target.device, dtype=target.dtype)
+    match_panels(module, target.model)
+    return module
 
 
 def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, options: HeadsOptions | None = None,
