@@ -15,7 +15,8 @@ emulates bf16 products on CPUs without AVX512-BF16/AMX, the kernel is 5-10x fast
 float32 weights to bfloat16 in the panels on request (activations, attention and the KV cache stay float32; the
 stored weight is untouched, so `rows` gives the original model back); auto never picks it, since it changes the
 weights. SmolLM2-135M, one thread, KV 256, 1 / 2 / 4 / 8 / 16 tokens: float32 transposed+panels 52 / 55 / 64 / 78 /
-122 ms, bfloat16 rows+panels 41 / 42 / 53 / 68 / 110 ms, float32 transposed+panels_bf16 37 / 39 / 50 / 65 / 101 ms. Nothing else changes: same values, same modules, tied weights stay tied (the shared
+122 ms, bfloat16 rows+panels 41 / 42 / 53 / 68 / 110 ms, float32 transposed+panels_bf16 37 / 39 / 50 / 65 / 101 ms.
+Except for `+panels_bf16`, nothing else changes: same values, same modules, tied weights stay tied (the shared
 parameter is re-laid and packed once); output moves by float rounding only.
 Measured on this AVX2 VM (SmolLM2-135M, float32, one thread, the cost model's verify timing, KV 256): a 1-token
 step 71 ms as loaded, 56-62 ms transposed; verifying 2 / 4 / 8 tokens 84-90 / 123-138 / 137-156 ms transposed,
