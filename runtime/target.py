@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from heads.loading import fast_bf16
 from runtime.kv_cache import compact_rows
@@ -80,8 +81,6 @@ def _attention_in_float32(enabled: bool) -> Iterator[None]:
     for one query over 257 keys of SmolLM2-135M, one thread, against 55 us in float32), so around our own forwards
     transformers' sdpa entry is wrapped to widen q/k/v (and an additive mask) to float32 and round the output back
     once: 88 us with the copies, ~6 ms of a 46 ms decode step; a more exact softmax, not a less exact one."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     original = ALL_ATTENTION_FUNCTIONS.get("sdpa")
     if not enabled or original is None or getattr(original, "_specheads_float32", False):
         yield
@@ -170,9 +169,9 @@ class TargetModel:
         self.num_layers = int(self.config.num_hidden_layers)
         self.dtype = model.dtype
         self.device = model.device
-        self._gqa_in_kernel = self.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
-        self._float32_attention = (self._gqa_in_kernel and self.dtype in (torch.bfloat16, torch.float16)
-                                   and not fast_bf16(self.device))
+        cpu_sdpa = self.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
+        self._gqa_in_kernel = cpu_sdpa
+        self._float32_attention = cpu_sdpa and self.dtype in (torch.bfloat16, torch.float16) and not fast_bf16(self.device)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache: DynamicCache | None = None
         self.row_lengths: list[int] = [0]  # committed tokens in the cache, per row (one row per sequence)
