@@ -227,7 +227,7 @@ def export_heads(heads_dir: str | Path, to: str, output_dir: str | Path, target:
         from heads.checkpoint import check_compatible
         from heads.loading import load_model
 
-        model = load_model(target)
+        model = load_model(target, dtype="float32")  # the LM head as stored (bf16 -> float32 is exact), not rounded
         check_compatible(heads.config, model, target_name=target, source=str(heads_dir))
         lm_head_weight = model.get_output_embeddings().weight
     plan = plan_export(heads, to, lm_head_weight)

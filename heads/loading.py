@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from heads import cache
 
 DEFAULT_MODEL = "../shared/models/smollm2-135m-instruct"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
@@ -33,17 +35,37 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+CPU_BF16_ENV = "SPECHEADS_CPU_BF16"
+CPU_BF16_CHOICES = ("native", "emulated")
+
+
+def cpu_bf16_override() -> bool | None:
+    """$SPECHEADS_CPU_BF16: 'native' / 'emulated' force the CPU's bf16 decision (--dtype auto, bf16 attention in
+    float32, ...) as if the CPU had / lacked AVX512-BF16 or AMX, so one machine can run the code paths of both
+    kinds; unset, '' or 'detect' reads the CPU. Anything else is an error naming the variable."""
+    value = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    if value in ("", "detect"):
+        return None
+    if value not in CPU_BF16_CHOICES:
+        raise ValueError(f"{CPU_BF16_ENV}={value!r}: expected one of {CPU_BF16_CHOICES} (or unset / 'detect')")
+    return value == "native"
+
+
 def fast_bf16(device: str | torch.device = "cpu") -> bool:
     """True where bf16 matmuls beat fp32: CUDA with bf16 support, or a CPU with AVX512-BF16 or AMX.
 
-    Read from torch's own CPU checks (a hypervisor may hide the flags from /proc/cpuinfo). Without them
-    torch emulates bf16 matmuls (measured on an AVX2-only VM: 4-8x slower than fp32).
+    Read from torch's own CPU checks (a hypervisor may hide the flags from /proc/cpuinfo), unless
+    $SPECHEADS_CPU_BF16 forces the answer on a CPU (`cpu_bf16_override`). Without them torch emulates bf16 matmuls
+    (measured on an AVX2-only VM: 4-8x slower than fp32).
     """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
+    forced = cpu_bf16_override()
+    if forced is not None:
+        return forced
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
@@ -83,12 +105,9 @@ def describe_dtype(dtype: torch.dtype, requested: str | torch.dtype, device: str
     why = "fast bf16 on " + where if dtype == torch.bfloat16 else f"no AVX512-BF16/AMX on {where}"
     if device.type == "cuda" and dtype != torch.bfloat16:
         why = "no bf16 support on this GPU"
+    if device.type == "cpu" and cpu_bf16_override() is not None:
+        why += f", as {CPU_BF16_ENV}={os.environ[CPU_BF16_ENV].strip()} says"
     return f"dtype: {name} (auto: {why})"
-
-
-def cache_dir() -> Path:
-    """Where converted GGUF copies are kept: $SPECHEADS_CACHE or ~/.cache/specheads."""
-    return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
 
 
 @dataclass(frozen=True)
@@ -143,43 +162,44 @@ def _converted_path(source: ModelSource) -> Path:
     for name in _SIDE_FILES:
         if (directory / name).is_file():
             digest.update(f"|{name}|".encode() + (directory / name).read_bytes())
-    return cache_dir() / "converted" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+    return cache.entry("converted", f"{gguf.stem}-{digest.hexdigest()[:16]}")
 
 
 def _convert_gguf(source: ModelSource) -> Path:
-    """Dequantise a GGUF checkpoint once and keep a safetensors copy (written atomically)."""
-    target = _converted_path(source)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Dequantise a GGUF checkpoint once and keep a safetensors copy: built by one process while the others wait
+    (heads.cache: safe under `accelerate launch`), trusted only when complete, rebuilt when cut short."""
+    return cache.build_directory(_converted_path(source), lambda tmp: _write_converted(source, tmp),
+                                 f"the converted copy of {Path(source.name_or_path) / source.gguf_file}")
+
+
+def _write_converted(source: ModelSource, out: Path) -> None:
+    """Write the dequantised model (config, generation config, model.safetensors), its tokenizer and side files into
+    `out`. The weights are written with safetensors directly: transformers' save_pretrained writes nothing on a rank
+    other than 0 of an initialised process group, and any rank may be the one that builds the cache entry."""
     quantized = AutoModelForCausalLM.from_pretrained(source.name_or_path, gguf_file=source.gguf_file,
                                                      dtype=torch.float32)
-    # transformers refuses to save a GGUF-loaded model; rebuild a plain one from its config and weights.
+    # transformers refuses to save a GGUF-loaded model; write a plain one from its config and weights.
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
-    model.generation_config = quantized.generation_config
-    tokenizer = _load_tokenizer(source)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for extra in _COPIED_FILES:
-            if (Path(source.name_or_path) / extra).is_file():
-                shutil.copy(Path(source.name_or_path) / extra, tmp / extra)
-        (tmp / "SOURCE").write_text(str((Path(source.name_or_path) / source.gguf_file).resolve()) + "\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished the same conversion first: keep its copy
-            if not (target / "config.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    config.architectures = [type(quantized).__name__]
+    config.dtype = torch.float32
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in quantized.state_dict().items():
+        if tensor.data_ptr() in seen:  # a tied weight (the LM head): stored once, re-tied on load
+            continue
+        seen.add(tensor.data_ptr())
+        weights[name] = tensor.detach().contiguous()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.to_json_file(str(out / "config.json"))
+    quantized.generation_config.to_json_file(str(out / "generation_config.json"))
+    _load_tokenizer(source).save_pretrained(out)
+    for extra in _COPIED_FILES:
+        if (Path(source.name_or_path) / extra).is_file():
+            shutil.copy(Path(source.name_or_path) / extra, out / extra)
+    (out / "SOURCE").write_text(str((Path(source.name_or_path) / source.gguf_file).resolve()) + "\n")
+    del quantized
 
 
 def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

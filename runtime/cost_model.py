@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
+from heads import cache
 from heads.files import atomic_write_json
-from heads.loading import cache_dir
 from runtime.layout import LAYOUT_HELP
 from runtime.target import TargetModel
 from runtime.tree import Tree
@@ -185,7 +185,7 @@ def model_fingerprint(model) -> str:
 def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1) -> Path:
     rows_key = "" if rows == 1 else f"__rows{rows}"
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}{rows_key}")
-    return cache_dir() / "cost_curves" / f"{key}.json"
+    return cache.entry("cost_curves", f"{key}.json")
 
 
 def save_curve(curve: CostCurve, path: str | Path) -> None:
@@ -265,21 +265,24 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
     device = next(model.parameters()).device
     meta = dict(model=model_fingerprint(model), device=device_name(device),
                 dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length, rows=rows)
-    path = _cache_file(**meta)
-    if use_cache and path.is_file():
-        curve = load_curve(path)
-        if curve.tokens[-1] >= max_tokens:
-            return curve
     tokens = [q for q in DEFAULT_SIZES if q <= max_tokens]
     if not tokens or tokens[-1] != max_tokens:
         tokens.append(max_tokens)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    run = run_forward or (target_verify_forward(target, kv_length) if rows == 1
-                          else rows_verify_forward(target, rows, kv_length))
-    curve = CostCurve(tokens=tokens, seconds=measure_curve(run, tokens, repeats=repeats, synchronize=sync), **meta)
-    if use_cache:
-        save_curve(curve, path)
-    return curve
+
+    def measure() -> dict:
+        run = run_forward or (target_verify_forward(target, kv_length) if rows == 1
+                              else rows_verify_forward(target, rows, kv_length))
+        return asdict(CostCurve(tokens=tokens, seconds=measure_curve(run, tokens, repeats=repeats, synchronize=sync),
+                                **meta))
+
+    def covers(record) -> bool:
+        try:
+            return CostCurve(**record).tokens[-1] >= max_tokens
+        except (TypeError, ValueError, IndexError, KeyError):
+            return False
+
+    return CostCurve(**cache.cached_json(_cache_file(**meta), measure, covers, use_cache))
 
 
 def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float,

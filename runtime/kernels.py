@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from heads import cache
+
 PANEL = 8  # output columns per panel: one 256-bit vector of float32
 PASS_ROWS = 12  # rows per pass over the weights (accumulators that fit in 16 vector registers)
 PANEL_MAX_ROWS = 16  # products of more rows (prefill) go to the BLAS, which is faster there
@@ -183,37 +185,54 @@ def _compiler_version(compiler: str) -> str:
         return ""
 
 
-def build(cache: Path | None = None) -> Path:
-    """Compile SOURCE (once per source, flags, compiler and CPU) and return the shared library's path;
-    RuntimeError naming the compiler and its first error line when that fails."""
-    from heads.loading import cache_dir
-
+def build(cache_folder: Path | None = None) -> Path:
+    """Compile SOURCE (once per source, flags, compiler and CPU; one process at a time, the others wait and reuse
+    it) and return the shared library's path; RuntimeError naming the compiler and its first error line when that
+    fails."""
     compiler = os.environ.get("CC", "cc")
     version = _compiler_version(compiler)
     if not version:
         raise RuntimeError(f"no C compiler: `{compiler} --version` failed (set $CC to one)")
     key = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), version, _cpu_key()]).encode()).hexdigest()[:16]
-    folder = (cache or cache_dir()) / "kernels"
-    path = folder / f"panel_linear-{key}.so"
+    name = f"panel_linear-{key}.so"
+    if cache_folder is None:
+        path = cache.entry("kernels", name)
+    else:
+        cache_folder.mkdir(parents=True, exist_ok=True)
+        path = cache_folder / name
     if path.is_file():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        source = Path(tmp) / "panel_linear.c"
-        source.write_text(SOURCE)
-        built = Path(tmp) / path.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True)
-        if result.returncode != 0:
-            first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
-            raise RuntimeError(f"`{compiler}` could not compile the panel kernel: {first[:300]}")
-        os.replace(built, path)  # atomic: another process may be building the same file
+    with cache.lock(path):
+        if path.is_file():  # another process built it while this one waited
+            return path
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            source = Path(tmp) / "panel_linear.c"
+            source.write_text(SOURCE)
+            built = Path(tmp) / name
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True)
+            if result.returncode != 0:
+                first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
+                raise RuntimeError(f"`{compiler}` could not compile the panel kernel: {first[:300]}")
+            os.replace(built, path)  # atomic: readers see the whole library or none
     return path
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load the built library; a cached file that does not load (cut short, from another system) is rebuilt once,
+    with one line saying so."""
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        cache.say(f"the compiled panel kernel {path} does not load ({str(error).splitlines()[0][:200]}); rebuilding it")
+        with cache.lock(path):
+            path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(build()))
 
 
 @lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
     try:
-        library = ctypes.CDLL(str(build()))
+        library = _open(build())
     except (RuntimeError, OSError) as error:
         return None, str(error)
     pointer, long = ctypes.c_void_p, ctypes.c_long

@@ -37,18 +37,19 @@ without measuring. Cost curves are keyed by the layout
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from heads import cache
+from heads.files import atomic_write_json
 from runtime import kernels
 
 LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels",
@@ -283,13 +284,9 @@ def as_loaded(model: nn.Module) -> Iterator[None]:
         set_layout(model, layout)
 
 
-def _cache_path(fingerprint: str, device: str, dtype: str):
-    import re
-
-    from heads.loading import cache_dir
-
+def _cache_path(fingerprint: str, device: str, dtype: str) -> Path:
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{fingerprint}__{device}__{dtype}")
-    return cache_dir() / "layouts" / f"{key}.json"
+    return cache.entry("layouts", f"{key}.json")
 
 
 def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int = 5) -> dict[str, float]:
@@ -330,8 +327,11 @@ def measure_panels(target, layout: str, **kwargs) -> dict[str, list[float]]:
 
 
 def panels_win(base: list[float], panels: list[float]) -> bool:
-    """Panels when at least MIN_GAIN faster summed over PANEL_PROBE and not slower by more than MIN_GAIN at 1 token
-    (plain decoding's step, which every drafter falls back to)."""
+    """Panels when their 1-token step (plain decoding's, which every drafter falls back to) is at least MIN_GAIN
+    faster: plain decoding must run on the fastest one-row layout, whatever verifies cost; else when at least
+    MIN_GAIN faster summed over PANEL_PROBE and not slower by more than MIN_GAIN at 1 token."""
+    if panels[0] <= (1 - MIN_GAIN) * base[0]:
+        return True
     return sum(panels) <= (1 - MIN_GAIN) * sum(base) and panels[0] <= (1 + MIN_GAIN) * base[0]
 
 
@@ -363,29 +363,29 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
 
     set_layout(model, "rows")
     path = _cache_path(model_fingerprint(model), device_name(device), str(model.dtype).removeprefix("torch."))
-    cached = json.loads(path.read_text()) if use_cache and path.is_file() else {}
-    seconds = cached.get("seconds") or measure_layouts(target)
-    storage = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
-    verify = cached.get("verify_seconds") if cached.get("probe") == list(VERIFY_PROBE) else None
-    fits, why_not = packing_fits(model)
-    if verify is None and fits:  # not measured (nor cached) while a packed copy would not fit: measured later
-        verify = measure_packing(target, storage)
-    packed = f"{storage}+packed"
-    rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
-    layout = layout_name(storage, rows)
-    no_panels = panels_unavailable(model) if fits else why_not  # '' when the panel kernel can serve this model
-    panels = cached.get("panel_seconds") if cached.get("panel_probe") == list(PANEL_PROBE) else None
-    if panels is not None and layout not in panels:
-        panels = None  # measured against another choice (the machine measured differently since)
-    if panels is None and not no_panels:
-        panels = measure_panels(target, layout) or None
-    record = {"seconds": seconds}
-    record |= {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
-    record |= {"panel_probe": list(PANEL_PROBE), "panel_seconds": panels} if panels is not None else {}
-    if use_cache and any(cached.get(key) != value for key, value in record.items()):
-        from heads.files import atomic_write_json
-
-        atomic_write_json(path, record)
+    with cache.lock(path) if use_cache else nullcontext():  # one process measures, the others read its record
+        cached = (cache.read_json(path) or {}) if use_cache else {}
+        cached = cached if isinstance(cached, dict) else {}
+        seconds = cached.get("seconds") or measure_layouts(target)
+        storage = "transposed" if seconds["transposed"] < (1 - MIN_GAIN) * seconds["rows"] else "rows"
+        verify = cached.get("verify_seconds") if cached.get("probe") == list(VERIFY_PROBE) else None
+        fits, why_not = packing_fits(model)
+        if verify is None and fits:  # not measured (nor cached) while a packed copy would not fit: measured later
+            verify = measure_packing(target, storage)
+        packed = f"{storage}+packed"
+        rows = packed_min_rows(VERIFY_PROBE, verify[storage], verify[packed]) if fits and verify else None
+        layout = layout_name(storage, rows)
+        no_panels = panels_unavailable(model) if fits else why_not  # '' when the panel kernel can serve this model
+        panels = cached.get("panel_seconds") if cached.get("panel_probe") == list(PANEL_PROBE) else None
+        if panels is not None and layout not in panels:
+            panels = None  # measured against another choice (the machine measured differently since)
+        if panels is None and not no_panels:
+            panels = measure_panels(target, layout) or None
+        record = {"seconds": seconds}
+        record |= {"probe": list(VERIFY_PROBE), "verify_seconds": verify} if verify is not None else {}
+        record |= {"panel_probe": list(PANEL_PROBE), "panel_seconds": panels} if panels is not None else {}
+        if use_cache and any(cached.get(key) != value for key, value in record.items()):
+            atomic_write_json(path, record)
     with_panels = f"{storage}+panels"
     if not no_panels and panels and panels_win(panels[layout], panels[with_panels]):
         chosen = with_panels

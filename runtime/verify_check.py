@@ -37,8 +37,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from heads import cache
 from heads.files import atomic_write_json
-from heads.loading import cache_dir
 from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
 from runtime.tree import Tree
 
@@ -248,34 +248,34 @@ def check_key(model: PreTrainedModel) -> dict[str, str] | None:
 
 def _cache_file(key: dict[str, str]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / "verify_check" / f"{digest}.json"
-
-
-def _read_cached(key: dict[str, str]) -> CheckResult | None:
-    path = _cache_file(key)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("key") != key:
-        return None
-    return CheckResult(**{**record["result"], "cached": True})
-
-
-def _write_cached(key: dict[str, str], result: CheckResult) -> None:
-    atomic_write_json(_cache_file(key), {"key": key, "result": asdict(result)}, indent=1)
+    return cache.entry("verify_check", f"{digest}.json")
 
 
 def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
-    """The check result for `model` (from the on-disk cache when this exact model was checked before); leaves
-    the model on the attention implementation the result names."""
+    """The check result for `model` (from the on-disk cache when this exact model was checked before: one process
+    checks, others started with it wait and read its result); leaves the model on the attention implementation the
+    result names."""
     key = check_key(model) if use_cache else None
-    cached = _read_cached(key) if key is not None else None
-    if cached is not None and _set_attention(model, cached.attn_implementation):
-        return cached
-    result = choose_mode(model)
-    if key is not None:
-        _write_cached(key, result)
+    if key is None:
+        return choose_mode(model)
+    fresh: list[CheckResult] = []
+
+    def check() -> dict:
+        fresh.append(choose_mode(model))
+        return {"key": key, "result": asdict(fresh[0])}
+
+    record = cache.cached_json(_cache_file(key), check,
+                               valid=lambda record: isinstance(record, dict) and record.get("key") == key)
+    if fresh:
+        return fresh[0]
+    try:
+        result = CheckResult(**{**record["result"], "cached": True})
+    except (TypeError, KeyError):
+        result = None
+    if result is not None and _set_attention(model, result.attn_implementation):
+        return result
+    result = choose_mode(model)  # the cached entry does not fit this model: check it again
+    atomic_write_json(_cache_file(key), {"key": key, "result": asdict(result)}, indent=1)
     return result
 
 

@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if config.method == "medusa2":
             unwrapped.target.save_pretrained(heads_dir / "adapter")
             if config.save_merged:
-                merged = unwrapped.target.merge_and_unload()
+                # merged in float32 (the LoRA weights are float32 whatever the target's dtype: peft refuses to
+                # merge float32 deltas into bf16 weights), saved in the target's dtype
+                base_dtype = next(unwrapped.target.get_base_model().parameters()).dtype
+                merged = unwrapped.target.float().merge_and_unload().to(base_dtype)
                 merged.save_pretrained(Path(config.output_dir) / "merged")
         accelerator.print(f"heads saved to {heads_dir}: top-1 per depth "
                           f"{heads.config.metrics['top1_accuracy_per_depth']}, expected acceptance length "

@@ -31,7 +31,7 @@ def distilled(tmp_path_factory):
 
 def config(dataset, output_dir, **overrides):
     values = dict(model=str(STORIES260K), dataset=str(dataset), output_dir=str(output_dir), layers="-1,0,2",
-                  dtype="float32", batch_size=3, shard_size=2)
+                  dtype="float32", model_dtype="float32", batch_size=3, shard_size=2)
     values.update(overrides)
     return HiddenStatesConfig(**values)
 

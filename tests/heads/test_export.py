@@ -195,7 +195,7 @@ def test_shared_lm_head_medusa_exports(tmp_path):
     """TGI loads shared-LM-head heads with one block as they are (MedusaHeadV2); vLLM gets one copy of the target's
     LM head (original_lm_head), TGI with two blocks a copy per head; every layout reads back to the same logits."""
     from heads.loading import load_model
-    model = load_model(str(STORIES260K))
+    model = load_model(str(STORIES260K), dtype="float32")
     hidden = torch.randn(1, 3, 64)
 
     def shared_heads(layers):

@@ -112,7 +112,7 @@ def test_bench_efficiency_oracle_turns_answers_and_plot(tmp_path, capsys):
     out = tmp_path / "bench.json"
     main(["--model", str(STORIES260K), "--prompts", _two_turn_prompts(tmp_path), "--max_prompts", "2",
           "--max_new_tokens", "12", "--warmup_tokens", "4", "--output_json", str(out), "--method", "prompt_lookup",
-          "--turns", "2", "--oracle_sizes", "1,2", "--plot", str(plot), "--answers_jsonl", str(answers)])
+          "--dtype", "float32", "--turns", "2", "--oracle_sizes", "1,2", "--plot", str(plot), "--answers_jsonl", str(answers)])
     written = json.loads(out.read_text())
     overall = written["overall"]
     for key in ("draft_share", "overhead_share", "predicted_speedup", "realised_over_predicted"):

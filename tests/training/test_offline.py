@@ -19,13 +19,13 @@ def features_dir(stories_dataset, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("features") / "stories"
     hidden_states(["--model", str(STORIES260K), "--dataset", str(stories_dataset), "--output_dir", str(out),
-                   "--layers=1,2,4,-1", "--dtype", "float32", "--shard_size", "16"])
+                   "--layers=1,2,4,-1", "--dtype", "float32", "--model_dtype", "float32", "--shard_size", "16"])
     return out
 
 
 def one_batch_loss(args: list[str], train: bool) -> tuple[float, torch.Tensor]:
     config = parse_config(args)
-    target = load_model(config.model)
+    target = load_model(config.model, dtype="float32")
     data = load_training_data(config, target)
     module = build_training_module(config, target, lambda: data.assistant_tokens(list(range(len(data.rows)))))
     batch = Collator(data.pad_token_id, config.max_length)([IndexedRows(data.rows, [3, 7, 11], data.features)[i]

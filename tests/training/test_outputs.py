@@ -32,18 +32,27 @@ def test_medusa2_saves_adapter_and_merged_target_beside_the_heads(main, train_ar
 
     out = tmp_path / "run"
     main(train_args("medusa2", out, max_steps=2, save_merged="true", lora_r=2))
-    adapted = PeftModel.from_pretrained(load_model(str(STORIES260K)), str(out / "heads" / "adapter"))
-    merged = load_model(str(out / "merged"))
+    adapted = PeftModel.from_pretrained(load_model(str(STORIES260K), dtype="float32"), str(out / "heads" / "adapter"))
+    merged = load_model(str(out / "merged"), dtype="float32")
     ids = torch.tensor([[1, 20, 30, 40, 50]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-4, atol=1e-4)
-        assert not torch.allclose(merged(ids).logits, load_model(str(STORIES260K))(ids).logits, atol=1e-6)
+        assert not torch.allclose(merged(ids).logits, load_model(str(STORIES260K), dtype="float32")(ids).logits,
+                                  atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa2"])
 def test_bf16_target_with_autocast_trains(main, train_args, tmp_path, method):
-    final = main(train_args(method, tmp_path / "run", max_steps=2, mixed_precision="bf16", target_dtype="bfloat16"))
+    merge = {"save_merged": "true", "lora_r": 2} if method == "medusa2" else {}
+    final = main(train_args(method, tmp_path / "run", max_steps=2, mixed_precision="bf16", target_dtype="bfloat16",
+                            **merge))
     assert final["eval/acceptance_length"] >= 1.0
+    if merge:  # the float32 LoRA merged into the bf16 target, saved in bf16
+        from heads.loading import load_model
+
+        merged = load_model(str(tmp_path / "run" / "merged"), dtype="bfloat16")
+        assert next(merged.parameters()).dtype == torch.bfloat16
+        assert merged.config.dtype in (torch.bfloat16, "bfloat16")
 
 
 def test_bf16_target_without_autocast_is_refused(main, train_args, tmp_path):
