@@ -47,8 +47,12 @@ def cache_dir() -> Path:
     except OSError as error:
         raise CacheError(f"cache directory {path} cannot be created ({error.strerror or error}); set {ENV} to a "
                          f"writable directory") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise CacheError(f"cache directory {path} is not writable; set {ENV} to a writable directory")
+    try:  # a real write (root passes os.access on a read-only mount)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise CacheError(f"cache directory {path} is not writable ({error.strerror or error}); set {ENV} to a "
+                         f"writable directory") from None
     return path
 
 

@@ -3,19 +3,8 @@
 import pytest
 import torch
 
-from heads.loading import load_model, model_path, parse_dtype, resolve_source
+from heads.loading import load_model, parse_dtype, resolve_source
 from tests.tiny_models import SMOLLM2, STORIES260K
-
-
-def test_gguf_is_converted_once_and_loads_from_the_cached_copy(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
-    first = model_path(str(SMOLLM2))
-    assert (tmp_path / "converted").is_dir() and first.startswith(str(tmp_path))
-    stamp = (tmp_path / "converted").stat().st_mtime_ns
-    assert model_path(str(SMOLLM2)) == first  # second call: no new conversion
-    assert (tmp_path / "converted").stat().st_mtime_ns == stamp
-    model = load_model(str(SMOLLM2))
-    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
 
 
 def test_the_converted_copy_is_keyed_by_content_not_path(tmp_path):
