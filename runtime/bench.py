@@ -53,10 +53,11 @@ import transformers
 
 from heads.cli import parse_flag_groups
 from heads.files import atomic_write_json, atomic_write_jsonl
+from heads.loading import fast_bf16
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.cost_model import predicted_speedup
 from runtime.generate import GenerationStats, encode_prompt, generate
-from runtime.layout import as_loaded, layout_of
+from runtime.layout import as_loaded, check_layout, layout_of, set_layout
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import SUPPORTED_ATTENTION, TargetModel
@@ -96,8 +97,22 @@ class BenchArguments:
                 "continuation: a perfect zero-cost drafter)"})
     batch_on_size: int = field(default=4, metadata={
         "help": "batch bench: draft size of mode 'on' (heads: their --tree_size; oracle: its chain length)"})
+    plain_layouts: str = field(default="", metadata={
+        "help": "comma-separated forced weight layouts (e.g. rows,rows+packed,rows+panels,transposed+panels) on which "
+                "plain decoding also runs, per prompt, interleaved: overall.baseline then says whether the plain loop "
+                "on the layout in use is within 10%% of the fastest of them (a speed-up counts only against the "
+                "fastest plain decoding); empty = off"})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of defaults (keys = flag names of this command); flags given on the command line win"})
+
+    def forced_plain_layouts(self) -> list[str]:
+        """--plain_layouts 'rows,rows+panels' -> ['rows', 'rows+panels'] (each a forced layout, checked)."""
+        layouts = [v.strip() for v in self.plain_layouts.split(",") if v.strip()]
+        for layout in layouts:
+            if layout == "auto":
+                raise ValueError("--plain_layouts: forced layouts only (auto is the run's own --weight_layout)")
+            check_layout(layout, "--plain_layouts")
+        return layouts
 
     def oracle_chain_lengths(self) -> list[int]:
         """--oracle_sizes '1,2,4' -> [1, 2, 4]."""
@@ -364,6 +379,38 @@ def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: 
     return record
 
 
+def cpu_kind() -> str:
+    """'AVX512-BF16/AMX' or 'AVX2 (bf16 emulated)' as the runtime decides it (heads.loading.fast_bf16, which
+    $SPECHEADS_CPU_BF16 may force), with the CPU's model name."""
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+    return f"{name}, {'native bf16 (AVX512-BF16/AMX)' if fast_bf16('cpu') else 'no native bf16 (AVX2)'}"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def baseline_record(layout: str, plain_runs: list[Run], forced: dict[str, list[Run]]) -> dict[str, Any]:
+    """Plain decoding on the layout in use against plain decoding on each forced layout (same prompts, same run):
+    tokens/s of each, the fastest forced one, the ratio in use / fastest and whether it is within 10%, and whether
+    each forced layout gave the same tokens."""
+    def tps(runs: list[Run]) -> float:
+        return _ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
+
+    by_layout = {name: {"tokens_per_second": tps(runs),
+                        "identical_to_plain": all(r.tokens == p.tokens for r, p in zip(runs, plain_runs, strict=True))}
+                 for name, runs in forced.items()}
+    best = max(by_layout, key=lambda name: by_layout[name]["tokens_per_second"])
+    in_use = tps(plain_runs)
+    ratio = _ratio(in_use, by_layout[best]["tokens_per_second"])
+    return {"layout": layout, "tokens_per_second": in_use, "forced": by_layout, "fastest_forced": best,
+            "over_fastest_forced": ratio, "within_10_percent": ratio is not None and ratio >= 0.9}
+
+
 def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationStats],
                    plain_stats: list[GenerationStats] | None = None, dtype: str = "") -> dict[str, Any]:
     """Totals over prompts: tau over all steps, total tokens / total time, medians of per-prompt ratios, time
@@ -508,6 +555,11 @@ def print_table(result: dict[str, Any]) -> None:
               o["hf_assisted"]["speedup_vs_hf_total"] if has_hf_assisted else None))
     print(row("median", "", o, o["speedup_median"], o["speedup_vs_hf_median"],
               o["hf_assisted"]["speedup_vs_hf_median"] if has_hf_assisted else None))
+    if "baseline" in o:
+        b = o["baseline"]
+        forced = ", ".join(f"{name} {v['tokens_per_second']:.1f}" for name, v in b["forced"].items())
+        print(f"baseline: plain decoding on {b['layout']} {b['tokens_per_second']:.1f} tok/s; forced layouts: {forced} "
+              f"tok/s; in use / fastest forced ({b['fastest_forced']}) {_fmt(b['over_fastest_forced'], '.2f')}")
     rates = ", ".join(f"{a:.2f}" for a in o["acceptance_per_depth"])
     print(f"method {result['config']['method']} ({o['dtype']}): tau {o['tau']:.2f}, acceptance per depth [{rates}], "
           f"greedy_identical: {o['greedy_identical']}")
@@ -590,6 +642,17 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     assisted = hf_assisted_settings(gen_args, proposer) if bench_args.compare_hf else None
     greedy = config.sampling.is_greedy
     oracle_sizes = bench_args.oracle_chain_lengths()
+    plain_layouts = bench_args.forced_plain_layouts()
+    layout_in_use = layout_of(model)
+    forced_plain: dict[str, list[Run]] = {layout: [] for layout in plain_layouts}
+
+    def plain_on(layout: str, ids: torch.Tensor, decode: DecodeConfig) -> Run:
+        """Plain decoding with the target's weights in a forced layout, then put back as they were."""
+        set_layout(model, layout)
+        try:
+            return run_ours(target, plain, ids, decode)
+        finally:
+            set_layout(model, layout_in_use)
 
     def encode(messages: list[dict[str, str]], index: int) -> torch.Tensor:
         ids = encode_prompt(tokenizer, messages)
@@ -610,8 +673,10 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
 
     first = encode([{"role": "user", "content": questions[0].turns[0]}], 0)
     if bench_args.warmup_tokens > 0:  # untimed: first calls pay for allocation and lazy initialisation
-        run_all(first, dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens,
-                                                                       config.max_new_tokens)))
+        warmup = dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens, config.max_new_tokens))
+        run_all(first, warmup)
+        for layout in plain_layouts:
+            plain_on(layout, first, warmup)
     records, method_runs, plain_runs = [], [], []
     oracle_runs: dict[int, list[Run]] = {k: [] for k in oracle_sizes}
     transcripts: list[tuple[Question, list[dict[str, Run]]]] = []  # per question, the runs of each turn
@@ -626,12 +691,14 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                             "python": platform.python_version(), "num_threads": torch.get_num_threads(),
                             "device": str(target.device), "machine": platform.machine(),
-                            "dtype": dtype, "weight_layout": layout_of(model)},
+                            "dtype": dtype, "weight_layout": layout_in_use, "cpu": cpu_kind()},
             "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
                                       dtype),
             "verify_cost": verify_cost_from_steps(all_stats),
             "prompts": records,
         }
+        if plain_layouts:
+            result["overall"]["baseline"] = baseline_record(layout_in_use, plain_runs, forced_plain)
         if oracle_sizes:
             result["oracle"] = {"model": gen_args.model, "dtype": dtype, "device": str(target.device),
                                 "num_threads": torch.get_num_threads(), "rows": oracle_rows(oracle_runs, plain_runs)}
@@ -654,6 +721,9 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
                 again = run_all(ids, config)
                 runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
+            for layout in plain_layouts:
+                forced_plain[layout].append(min((plain_on(layout, ids, config) for _ in range(bench_args.repeats)),
+                                                key=lambda run: run.seconds))
             for k in oracle_sizes:  # drafts plain decoding's own continuation: every draft token is accepted
                 chain = dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=k,
                                                                                   max_speculative_tokens=k))
