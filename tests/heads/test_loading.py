@@ -53,3 +53,21 @@ def test_a_hub_id_that_does_not_load_is_one_error_naming_the_flag(monkeypatch):
         with pytest.raises(FileNotFoundError, match=r"--model someorg/no-such-model: not a local file or directory, "
                                                     r"and the Hugging Face Hub did not provide it \(We couldn't"):
             load("someorg/no-such-model")
+
+
+def test_the_cpu_bf16_decision_can_be_forced(monkeypatch):
+    """SPECHEADS_CPU_BF16 runs either CPU kind's decision on any machine: --dtype auto and the dtype line follow it."""
+    from heads.loading import describe_dtype, fast_bf16, resolve_dtype
+
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", "native")
+    assert fast_bf16("cpu") and resolve_dtype("auto") == torch.bfloat16
+    assert "SPECHEADS_CPU_BF16=native" in describe_dtype(torch.bfloat16, "auto")
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", "emulated")
+    assert not fast_bf16("cpu") and resolve_dtype("auto") == torch.float32
+    with pytest.warns(UserWarning, match="neither AVX512-BF16 nor AMX"):
+        resolve_dtype("bfloat16")
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="SPECHEADS_CPU_BF16='yes': expected one of"):
+        fast_bf16("cpu")
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", "detect")
+    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)

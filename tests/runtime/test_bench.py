@@ -209,3 +209,20 @@ def test_perfect_speedup_is_the_size_over_the_measured_verify_cost():
     oracle = stats([(3, 0.15), (3, 0.15), (2, 0.12)])  # a short last step of 2 tokens does not count
     assert perfect_speedup(2, oracle, plain) == pytest.approx(3 * 0.10 / 0.15)
     assert perfect_speedup(4, oracle, plain) is None  # no step verified 5 tokens
+
+
+def test_bench_runs_plain_decoding_on_forced_layouts_as_the_baseline_check(tmp_path):
+    out = tmp_path / "bench.json"
+    main(["--model", str(STORIES260K), "--prompts", _two_turn_prompts(tmp_path), "--max_prompts", "1",
+          "--max_new_tokens", "8", "--warmup_tokens", "2", "--output_json", str(out), "--method", "prompt_lookup",
+          "--dtype", "float32", "--plain_layouts", "rows,transposed"])
+    result = json.loads(out.read_text())
+    baseline = result["overall"]["baseline"]
+    assert baseline["layout"] == result["environment"]["weight_layout"] == "rows"  # stories260K: under 10M params
+    assert set(baseline["forced"]) == {"rows", "transposed"} and baseline["fastest_forced"] in baseline["forced"]
+    assert all(v["identical_to_plain"] and v["tokens_per_second"] > 0 for v in baseline["forced"].values())
+    assert baseline["over_fastest_forced"] == pytest.approx(
+        baseline["tokens_per_second"] / baseline["forced"][baseline["fastest_forced"]]["tokens_per_second"])
+    assert "bf16" in result["environment"]["cpu"]
+    with pytest.raises(ValueError, match="--plain_layouts"):
+        main(["--model", str(STORIES260K), "--plain_layouts", "auto", "--output_json", str(out)])
