@@ -39,14 +39,19 @@ class CacheError(ValueError):
     """The cache directory cannot be used (printed as one `error:` line by the CLIs)."""
 
 
-def cache_dir() -> Path:
-    """$SPECHEADS_CACHE or ~/.cache/specheads, created if needed; CacheError naming it when it is not writable."""
-    path = Path(os.environ.get(ENV) or Path.home() / ".cache" / "specheads")
+def _folder(path: Path) -> Path:
+    """`path` created if needed; CacheError naming it (and SPECHEADS_CACHE) when it cannot be."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise CacheError(f"cache directory {path} cannot be created ({error.strerror or error}); set {ENV} to a "
                          f"writable directory") from None
+    return path
+
+
+def cache_dir() -> Path:
+    """$SPECHEADS_CACHE or ~/.cache/specheads, created if needed; CacheError naming it when it is not writable."""
+    path = _folder(Path(os.environ.get(ENV) or Path.home() / ".cache" / "specheads"))
     try:  # a real write (root passes os.access on a read-only mount)
         with tempfile.TemporaryFile(dir=path):
             pass
@@ -58,13 +63,7 @@ def cache_dir() -> Path:
 
 def entry(kind: str, name: str) -> Path:
     """The path of entry `name` of `kind` (a subdirectory such as 'converted' or 'layouts'), parents created."""
-    folder = cache_dir() / kind
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CacheError(f"cache directory {folder} cannot be created ({error.strerror or error}); set {ENV} to a "
-                         f"writable directory") from None
-    return folder / name
+    return _folder(cache_dir() / kind) / name
 
 
 def say(message: str) -> None:

@@ -380,8 +380,8 @@ def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: 
 
 
 def cpu_kind() -> str:
-    """'AVX512-BF16/AMX' or 'AVX2 (bf16 emulated)' as the runtime decides it (heads.loading.fast_bf16, which
-    $SPECHEADS_CPU_BF16 may force), with the CPU's model name."""
+    """The CPU's model name and whether the runtime treats its bf16 as native (AVX512-BF16/AMX) or not (AVX2), as
+    heads.loading.fast_bf16 decides it ($SPECHEADS_CPU_BF16 may force it), e.g. 'AMD EPYC, native bf16 (...)'."""
     name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
                 platform.processor() or platform.machine())
     return f"{name}, {'native bf16 (AVX512-BF16/AMX)' if fast_bf16('cpu') else 'no native bf16 (AVX2)'}"
@@ -646,13 +646,21 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     layout_in_use = layout_of(model)
     forced_plain: dict[str, list[Run]] = {layout: [] for layout in plain_layouts}
 
-    def plain_on(layout: str, ids: torch.Tensor, decode: DecodeConfig) -> Run:
-        """Plain decoding with the target's weights in a forced layout, then put back as they were."""
-        set_layout(model, layout)
+    machine = cpu_kind()
+
+    def plain_on_layouts(ids: torch.Tensor, decode: DecodeConfig) -> dict[str, Run]:
+        """Plain decoding with the target's weights in each forced layout (fastest of --repeats runs), the weights
+        put back in the layout in use once at the end."""
+        runs = {}
         try:
-            return run_ours(target, plain, ids, decode)
+            for layout in plain_layouts:
+                set_layout(model, layout)
+                runs[layout] = min((run_ours(target, plain, ids, decode) for _ in range(bench_args.repeats)),
+                                   key=lambda run: run.seconds)
         finally:
-            set_layout(model, layout_in_use)
+            if plain_layouts:
+                set_layout(model, layout_in_use)
+        return runs
 
     def encode(messages: list[dict[str, str]], index: int) -> torch.Tensor:
         ids = encode_prompt(tokenizer, messages)
@@ -675,8 +683,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     if bench_args.warmup_tokens > 0:  # untimed: first calls pay for allocation and lazy initialisation
         warmup = dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens, config.max_new_tokens))
         run_all(first, warmup)
-        for layout in plain_layouts:
-            plain_on(layout, first, warmup)
+        plain_on_layouts(first, warmup)
     records, method_runs, plain_runs = [], [], []
     oracle_runs: dict[int, list[Run]] = {k: [] for k in oracle_sizes}
     transcripts: list[tuple[Question, list[dict[str, Run]]]] = []  # per question, the runs of each turn
@@ -691,7 +698,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                             "python": platform.python_version(), "num_threads": torch.get_num_threads(),
                             "device": str(target.device), "machine": platform.machine(),
-                            "dtype": dtype, "weight_layout": layout_in_use, "cpu": cpu_kind()},
+                            "dtype": dtype, "weight_layout": layout_in_use, "cpu": machine},
             "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
                                       dtype),
             "verify_cost": verify_cost_from_steps(all_stats),
@@ -721,9 +728,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
                 again = run_all(ids, config)
                 runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
-            for layout in plain_layouts:
-                forced_plain[layout].append(min((plain_on(layout, ids, config) for _ in range(bench_args.repeats)),
-                                                key=lambda run: run.seconds))
+            for layout, run in plain_on_layouts(ids, config).items():
+                forced_plain[layout].append(run)
             for k in oracle_sizes:  # drafts plain decoding's own continuation: every draft token is accepted
                 chain = dataclasses.replace(config, speculation=SpeculationConfig(num_speculative_tokens=k,
                                                                                   max_speculative_tokens=k))

@@ -264,17 +264,19 @@ def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
         fresh.append(choose_mode(model))
         return {"key": key, "result": asdict(fresh[0])}
 
-    record = cache.cached_json(_cache_file(key), check,
-                               valid=lambda record: isinstance(record, dict) and record.get("key") == key)
+    def cached(record) -> CheckResult | None:
+        try:
+            return CheckResult(**{**record["result"], "cached": True}) if record.get("key") == key else None
+        except (TypeError, KeyError, AttributeError):
+            return None
+
+    record = cache.cached_json(_cache_file(key), check, valid=lambda record: cached(record) is not None)
     if fresh:
         return fresh[0]
-    try:
-        result = CheckResult(**{**record["result"], "cached": True})
-    except (TypeError, KeyError):
-        result = None
-    if result is not None and _set_attention(model, result.attn_implementation):
+    result = cached(record)
+    if _set_attention(model, result.attn_implementation):
         return result
-    result = choose_mode(model)  # the cached entry does not fit this model: check it again
+    result = choose_mode(model)  # the cached implementation cannot be set on this model: check it again
     atomic_write_json(_cache_file(key), {"key": key, "result": asdict(result)}, indent=1)
     return result
 
