@@ -71,12 +71,7 @@ class CostCurve:
 
     def seconds_at(self, tokens: float) -> float:
         """Piecewise-linear interpolation of the fitted medians; linear extrapolation beyond the ends."""
-        xs, ys = self.tokens, self.fitted
-        if len(xs) == 1:
-            return ys[0]
-        i = next((k for k in range(1, len(xs)) if xs[k] >= tokens), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 0.0)
+        return max(interpolate(self.tokens, self.fitted, tokens), 0.0)
 
     def relative(self) -> list[float]:
         """Fitted cost of each point relative to a 1-token forward (interpolated if 1 was not measured)."""
@@ -350,6 +345,72 @@ class DraftTimer:
             self.sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
+
+
+GUARD_KV_LENGTHS = (256, 1024, 2048)  # where step costs are measured; in between they are interpolated
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs[i], ys[i]) (xs increasing), extended linearly beyond both ends."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = next((k for k in range(1, len(xs)) if xs[k] >= x), len(xs) - 1)
+    return float(ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs at the KV length a sequence has reached, relative to a plain step at that same length.
+
+    Verify cost curves and a drafter's propose() time, measured at a few KV lengths (`measure_step_costs`) and
+    interpolated linearly in between (attention makes both grow about linearly with the KV length; beyond the
+    last length they are extended along the last segment). One plain step at KV 2,000 costs more than at 256,
+    and so does a drafted one, but not in the same proportion: a break-even measured at 256 alone is wrong for
+    a summary of a long document.
+    """
+
+    kv_lengths: list[int]
+    curves: list[CostCurve]
+    draft_seconds: list[float] | None = None  # the drafter at each KV length; None: a drafter that costs nothing
+
+    def __post_init__(self) -> None:
+        if not self.kv_lengths or list(self.kv_lengths) != sorted(set(self.kv_lengths)) \
+                or len(self.curves) != len(self.kv_lengths) \
+                or (self.draft_seconds is not None and len(self.draft_seconds) != len(self.kv_lengths)):
+            raise ValueError(f"step costs: need increasing KV lengths with one curve (and draft time) each, got "
+                             f"{self.kv_lengths}, {len(self.curves)} curves")
+
+    def plain_seconds(self, kv_length: int) -> float:
+        return max(interpolate(self.kv_lengths, [c.seconds_at(1) for c in self.curves], kv_length), 1e-9)
+
+    def verify_seconds(self, tokens: int, kv_length: int) -> float:
+        return max(interpolate(self.kv_lengths, [c.seconds_at(tokens) for c in self.curves], kv_length), 0.0)
+
+    def draft(self, kv_length: int) -> float:
+        if self.draft_seconds is None:
+            return 0.0
+        return max(interpolate(self.kv_lengths, self.draft_seconds, kv_length), 0.0)
+
+    def relative(self, tokens: int, kv_length: int, drafting: bool = True) -> float:
+        """(verify over `tokens` query tokens [+ the drafter's time]) / a plain step, both at `kv_length`."""
+        extra = self.draft(kv_length) if drafting and tokens > 1 else 0.0
+        return max((self.verify_seconds(tokens, kv_length) + extra) / self.plain_seconds(kv_length), 1e-3)
+
+    def describe(self, tokens: int, drafting: bool = True) -> str:
+        """'x1.21 at KV 256, x1.35 at KV 2048': the relative cost of a `tokens`-token step at each measured length."""
+        return ", ".join(f"x{self.relative(tokens, kv, drafting):.2f} at KV {kv}" for kv in self.kv_lengths)
+
+
+def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
+                       kv_lengths: Sequence[int] = GUARD_KV_LENGTHS) -> StepCosts:
+    """Verify cost curves up to `max_tokens` query tokens (cached on disk) and, with `proposer`, its propose() time
+    at its own size, at each of `kv_lengths` that fits the target's context (a shorter context: its longest)."""
+    lengths = sorted({kv_length_within(target, kv, max_tokens) for kv in kv_lengths})
+    curves = [verify_cost_curve(target, kv_length=kv, max_tokens=max_tokens, repeats=7) for kv in lengths]
+    draft = None
+    if proposer is not None:
+        draft = [DraftTimer(target, kv, tuple(proposer.hidden_state_indices)).seconds(proposer) for kv in lengths]
+    return StepCosts(lengths, curves, draft)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -32,7 +32,7 @@ from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
-from runtime.cost_model import chain_expected_tau
+from runtime.cost_model import GUARD_KV_LENGTHS, StepCosts, chain_expected_tau, measure_step_costs
 from runtime.layout import match_panels
 from runtime.planner import DrafterFamily, DraftProfile, Plan, plan_drafter
 from runtime.proposers.base import Autoregressive
@@ -112,6 +112,7 @@ class HeadsProposer:
     plan: Plan | None = None  # the planner's batch-1 choice, rows: plain decoding then every shape and size
     description: str = ""
     notes: list[str] = field(default_factory=list)
+    step_costs: StepCosts | None = None  # the guard's step costs by KV length (auto with allow_off)
 
     def profile(self) -> DraftProfile | None:
         """The planner's input for batches (runtime/planner.BatchPlanner): the chosen shape's expected tau and
@@ -202,10 +203,20 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
     if options.allow_off:  # planned from held-out accuracy: checked against this sequence's acceptance as it runs
         chosen = next(row for row in plan.rows[1:]
                       if row["size"] == plan.size and all(row.get(k) == v for k, v in plan.shape.items()))
-        step_cost = chosen["seconds"] / plan.rows[0]["seconds"]
-        proposer = PayingGuard(proposer, step_cost, chosen["expected_tau"])
-        label += f", guarded (drafts while this sequence accepts >= {step_cost:.2f} tokens per step)"
-    return HeadsProposer(proposer, config, plan.size, plan, label, notes)
+        proposer, costs = guarded(proposer, target, plan.size, chosen["expected_tau"], options.cost_kv_length)
+        label += f", guarded (drafts while this sequence accepts at least a drafted step's cost in plain steps: " \
+                 f"{costs.describe(plan.size + 1)})"
+    return HeadsProposer(proposer, config, plan.size, plan, label, notes, costs if options.allow_off else None)
+
+
+def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
+            kv_length: int = GUARD_KV_LENGTHS[0]) -> tuple[PayingGuard, StepCosts]:
+    """`proposer` under a PayingGuard whose break-even is its step's cost at the sequence's KV length (verify over
+    size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
+    at the longer lengths of GUARD_KV_LENGTHS."""
+    lengths = (kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > kv_length))
+    costs = measure_step_costs(target, size + 1, proposer, lengths)
+    return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau), costs
 
 
 def _shape_text(shape: dict[str, int]) -> str:

@@ -24,46 +24,69 @@ Without the decay a head that started an answer badly stayed rested (measured: t
 forced on one MT-Bench turn, probes every 16 steps); with it a few good probes turn it back on. The
 drafter's state keeps up while it rests (every proposer feeds what was committed on its next propose), so a
 probe drafts from the full context. Output is unchanged whatever the guard decides: every draft is verified.
+
+The break-even follows the sequence (issue 29): `step_cost` is a function of the KV length the sequence has
+reached (runtime.cost_model.StepCosts: verify and draft time measured at KV 256, 1,024 and 2,048, relative to a
+plain step at the same length), read at every step. A summary of a 2,000-token document was drafted against the
+cost measured at 256 and lost down to 0.71x. And a head that keeps failing its probes is probed less and less
+often: each failed probe doubles the interval (4, 8, ... up to MAX_PROBE_EVERY steps), a paying estimate resets it,
+so a head that never accepts costs a few percent, not a probe step in every four.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
 from runtime.proposers.base import Draft, Proposer, root_only
 
-PRIOR_STEPS = 8
+PRIOR_STEPS = 4  # was 8: a head that never accepts drafted 10 steps at a loss before resting, now 7
 DECAY = 15 / 16
 PROBE_EVERY = 4
+MAX_PROBE_EVERY = 64
 CONFIDENCE = 1.0
 
 
 class PayingGuard:
-    """A proposer that drafts through `inner` while the estimated accepted length pays for `step_cost`."""
+    """A proposer that drafts through `inner` while the estimated accepted length pays for `step_cost`, a number or
+    a function of the KV length (committed tokens) giving the drafted step's cost over a plain step's."""
 
-    def __init__(self, inner: Proposer, step_cost: float, expected_tau: float, prior_steps: int = PRIOR_STEPS,
-                 probe_every: int = PROBE_EVERY, decay: float = DECAY, confidence: float = CONFIDENCE):
-        if (step_cost <= 0 or expected_tau < 1 or prior_steps <= 0 or probe_every < 1 or not 0 < decay <= 1
-                or confidence < 0):
-            raise ValueError(f"guard: need step_cost > 0, expected_tau >= 1, prior_steps > 0, probe_every >= 1, "
-                             f"0 < decay <= 1, confidence >= 0; got {step_cost}, {expected_tau}, {prior_steps}, "
-                             f"{probe_every}, {decay}, {confidence}")
+    def __init__(self, inner: Proposer, step_cost: float | Callable[[int], float], expected_tau: float,
+                 prior_steps: int = PRIOR_STEPS, probe_every: int = PROBE_EVERY, decay: float = DECAY,
+                 confidence: float = CONFIDENCE, max_probe_every: int = MAX_PROBE_EVERY):
+        cost = step_cost if callable(step_cost) else (lambda kv_length, c=float(step_cost): c)
+        if (cost(1) <= 0 or expected_tau < 1 or prior_steps <= 0 or not 1 <= probe_every <= max_probe_every
+                or not 0 < decay <= 1 or confidence < 0):
+            raise ValueError(f"guard: need step_cost > 0, expected_tau >= 1, prior_steps > 0, 1 <= probe_every <= "
+                             f"max_probe_every, 0 < decay <= 1, confidence >= 0; got {cost(1)}, {expected_tau}, "
+                             f"{prior_steps}, {probe_every}/{max_probe_every}, {decay}, {confidence}")
         self.inner = inner
         self.hidden_state_indices = inner.hidden_state_indices
-        self.step_cost, self.expected_tau = step_cost, expected_tau
+        self.cost, self.expected_tau = cost, expected_tau
         self.prior_steps, self.probe_every, self.decay, self.confidence = prior_steps, probe_every, decay, confidence
+        self.max_probe_every = max_probe_every
         self._start()
 
     def _start(self) -> None:
-        self._weight, self._resting = float(self.prior_steps), 0
+        self._weight, self._resting, self._interval, self._kv_length = float(self.prior_steps), 0, self.probe_every, 0
         self._accepted = self.prior_steps * self.expected_tau
         self._squares = self.prior_steps * self.expected_tau ** 2
 
     def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
-        return PayingGuard(copy.copy(self.inner), self.step_cost, self.expected_tau, self.prior_steps,
-                           self.probe_every, self.decay, self.confidence)
+        return PayingGuard(copy.copy(self.inner), self.cost, self.expected_tau, self.prior_steps, self.probe_every,
+                           self.decay, self.confidence, self.max_probe_every)
+
+    @property
+    def step_cost(self) -> float:
+        """A drafted step's cost over a plain step's at the KV length this sequence has reached."""
+        return self.cost(self._kv_length)
+
+    @property
+    def probe_interval(self) -> int:
+        """Steps between probes while resting: probe_every, doubled by each failed probe up to max_probe_every."""
+        return self._interval
 
     @property
     def tree_size(self) -> int:
@@ -91,8 +114,12 @@ class PayingGuard:
         self._start()
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
-        if max_tokens > 0 and (self.pays() or self._resting + 1 >= self.probe_every):
-            self._resting = 0
+        self._kv_length = committed_ids.numel()
+        if max_tokens > 0 and self.pays():
+            self._resting, self._interval = 0, self.probe_every
+            return self.inner.propose(committed_ids, max_tokens)
+        if max_tokens > 0 and self._resting + 1 >= self._interval:  # a probe: if it fails, wait twice as long
+            self._resting, self._interval = 0, min(2 * self._interval, self.max_probe_every)
             return self.inner.propose(committed_ids, max_tokens)
         self._resting += 1
         return root_only(committed_ids)
@@ -104,3 +131,5 @@ class PayingGuard:
             self._weight = self.decay * self._weight + 1
             self._accepted = self.decay * self._accepted + len(accepted_nodes)
             self._squares = self.decay * self._squares + len(accepted_nodes) ** 2
+            if self.pays():
+                self._interval = self.probe_every

@@ -14,6 +14,7 @@ from runtime.generate import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.base import Draft
 from runtime.proposers.guard import PROBE_EVERY, PayingGuard
+from runtime.proposers.oracle import OracleProposer
 from runtime.target import TargetModel
 from runtime.tree import Tree
 from tests.tiny_models import stories260k
@@ -37,8 +38,9 @@ def test_a_cheap_step_drafts_every_time_and_an_expensive_one_only_probes():
     run = run_ours(target, dear, PROMPT, _config())
     assert run.tokens == plain.tokens
     offered = [i for i, s in enumerate(run.stats.steps) if s.drafted_nodes]
-    assert offered and all((i + 1) % PROBE_EVERY == 0 for i in offered)  # only the probes drafted
-    assert dear.estimated_tau < dear.step_cost
+    probes = [PROBE_EVERY * (2 ** (k + 1) - 1) - 1 for k in range(5)]  # steps 3, 11, 27, ...: each wait doubled
+    assert offered and set(offered) <= set(probes)  # only probes drafted (a probe without a lookup match drafts none)
+    assert dear.estimated_tau < dear.step_cost and dear.probe_interval > PROBE_EVERY
 
 
 def test_the_estimate_starts_at_the_prior_and_follows_what_is_accepted():
@@ -118,3 +120,39 @@ def test_the_head_rests_only_on_evidence_that_it_loses():
     assert not steady.pays()
     with pytest.raises(ValueError, match="confidence"):
         PayingGuard(Autoregressive(), step_cost=1.2, expected_tau=1.5, confidence=-1.0)
+
+
+def test_the_break_even_is_the_step_cost_at_the_sequences_kv_length():
+    """step_cost as a function of the KV length: a head that pays at a short context rests at a long one, where the
+    same draft costs more than it returns."""
+    cost = lambda kv_length: 1.2 if kv_length < 100 else 3.0  # noqa: E731
+    guard = PayingGuard(Autoregressive(), step_cost=cost, expected_tau=2.0)
+    short, long = torch.arange(1, 60), torch.arange(1, 160)
+    guard.propose(short, 3)
+    assert guard.step_cost == 1.2 and guard.pays()
+    guard.propose(long, 3)
+    assert guard.step_cost == 3.0 and not guard.pays()
+    with pytest.raises(ValueError, match="step_cost"):
+        PayingGuard(Autoregressive(), step_cost=lambda kv_length: -1.0, expected_tau=1.5)
+
+
+def test_a_head_that_never_accepts_costs_under_five_percent_on_a_long_prompt():
+    """A drafter that is always wrong (the plain answer's tokens shifted by one), a prior that promised tau 2 and a
+    drafted step that costs more the longer the context (1.3 plain steps at KV 0, 1.55 at 500): the guard drafts a few
+    steps until the evidence is in, then only probes, ever more rarely. Its steps, priced by the same cost, stay
+    within 5% of plain decoding's; the output is plain decoding's."""
+    target = TargetModel(stories260k())
+    prompt = PROMPT.repeat(26)[:380]  # a long context for the 512-position model
+    config = _config(120)
+    plain = run_ours(target, Autoregressive(), prompt, config)
+    wrong = OracleProposer([(t + 1) % target.vocab_size for t in plain.tokens[1:]])
+    cost = lambda kv_length: 1.3 + kv_length / 2000  # noqa: E731
+    run = run_ours(target, PayingGuard(wrong, step_cost=cost, expected_tau=2.0), prompt, config)
+    assert run.tokens == plain.tokens
+    kv, priced = prompt.numel() + 1, 0.0
+    for step in run.stats.steps:
+        priced += cost(kv) if step.drafted_nodes else 1.0
+        kv += step.accepted_length
+    assert all(s.accepted_length == 1 for s in run.stats.steps)
+    drafted = sum(1 for s in run.stats.steps if s.drafted_nodes)
+    assert len(run.stats.steps) / priced >= 0.95, (drafted, len(run.stats.steps), priced)

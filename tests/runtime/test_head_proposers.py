@@ -373,7 +373,11 @@ def test_auto_with_allow_off_guards_the_plan_with_its_measured_step_cost(tmp_pat
     chosen = next(r for r in rows if r["size"] == built.size)
     guard = built.proposer
     assert isinstance(guard, PayingGuard) and isinstance(guard.inner, MedusaProposer) and "guarded" in built.description
-    assert guard.step_cost == pytest.approx(chosen["seconds"] / plain["seconds"])
+    costs = built.step_costs  # verify (the planner's cached curve at KV 16) + draft time, by KV length
+    assert costs.kv_lengths[0] == 16 and costs.plain_seconds(16) == pytest.approx(plain["seconds"])
+    assert costs.verify_seconds(built.size + 1, 16) == pytest.approx(chosen["seconds"] - chosen["draft_seconds"])
+    for kv in (*costs.kv_lengths, 100, 5000):
+        assert guard.cost(kv) == pytest.approx(costs.relative(built.size + 1, kv)) and guard.cost(kv) > 0
     assert guard.expected_tau == chosen["expected_tau"]
     prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
     tokens, _ = run_loop(model, guard, prompt, 30)
