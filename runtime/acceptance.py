@@ -8,6 +8,7 @@ Inputs shared by every rule:
     draft.tokens [N] int64: node tokens in BFS order; node 0 is the root (the last committed token).
     draft.probs  [N, V] float32 or None: probs[i] is the q the children of node i were drawn from WITHOUT
                  replacement, in child order; None means deterministic children (point masses).
+    draft.point_mass [N] bool or None: nodes that are deterministic guesses whatever probs says (a hybrid tree).
     target_logits [N, V]: target_logits[i] are the target's logits for the token FOLLOWING node i.
 Committed tokens after a step = draft.tokens[accepted_nodes[1:]] followed by bonus_token.
 
@@ -62,11 +63,14 @@ def _check_inputs(draft: Draft, target_logits: Tensor) -> int:
     vocab = target_logits.shape[1]
     if n > 1 and not bool(((draft.tokens[1:] >= 0) & (draft.tokens[1:] < vocab)).all()):
         raise ValueError(f"draft.tokens must be token ids in [0, {vocab}), got {draft.tokens.tolist()}")
+    if draft.point_mass is not None and tuple(draft.point_mass.shape) != (n,):
+        raise ValueError(f"draft.point_mass must have shape [N] = [{n}], got {tuple(draft.point_mass.shape)}")
     if draft.probs is not None:
         if tuple(draft.probs.shape) != (n, vocab):
             raise ValueError(f"draft.probs must have shape [N, V] = [{n}, {vocab}] (same vocabulary as the "
                              f"target), got {tuple(draft.probs.shape)}")
-        parents = draft.tree.parents[1:].unique()
+        sampled = draft.tree.parents[1:] if draft.point_mass is None else draft.tree.parents[1:][~draft.point_mass[1:]]
+        parents = sampled.unique()
         rows = draft.probs[parents].float()  # [P, V] rows children were drawn from
         sums = rows.sum(dim=-1)
         if bool((rows < 0).any()) or not bool(((sums - 1).abs() <= _ROW_SUM_TOLERANCE).all()):
@@ -155,7 +159,8 @@ def accept_rejection(draft: Draft, target_logits: Tensor, sampling: SamplingConf
         accepted = None
         for child in draft.tree.children(node):
             x = tokens[child]
-            if q is None:  # point mass at x: accept with p(x); residual = p without x
+            if q is None or (draft.point_mass is not None and bool(draft.point_mass[child])):
+                # point mass at x: accept with p(x); residual = p without x (the sampled siblings' q unchanged)
                 if float(torch.rand((), generator=generator)) < float(p[x]):
                     accepted = child
                     break

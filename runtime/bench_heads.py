@@ -9,7 +9,7 @@ every method of the config. For each method it writes `<output_dir>/<name>.json`
 (per-prompt and overall tau, acceptance per depth, draft/verify/prefill shares, speed-up vs plain and vs
 transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
-num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup, and HeadsOptions
+num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup | method: hybrid + heads, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
 takes num_speculative_tokens (default 5; "auto": transformers' schedule; "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
 
@@ -42,7 +42,7 @@ from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.generate import GenerationStats, StepStats, encode_prompt, lookup_step_costs
 from runtime.layout import layout_of
 from runtime.proposers import Autoregressive, PromptLookupProposer
-from runtime.proposers.factory import HeadsOptions, proposer_from_heads
+from runtime.proposers.factory import HeadsOptions, hybrid_from_heads, proposer_from_heads
 from runtime.verify_check import prepare_target
 
 _RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
@@ -62,7 +62,7 @@ class MethodSpec:
 
 
 def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec]:
-    """methods: [{name, heads | method: prompt_lookup, HeadsOptions fields...}] -> specs (ValueError naming `source`)."""
+    """methods: [{name, heads | method: prompt_lookup | hybrid, HeadsOptions fields...}] -> specs (ValueError naming `source`)."""
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{source}: 'methods' must be a non-empty list")
     specs = []
@@ -73,9 +73,9 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
         if unknown:
             raise ValueError(f"{source}: method {entry['name']!r}: unknown key(s) {unknown}")
         method = entry.get("method", "heads")
-        if method not in ("heads", "prompt_lookup"):
-            raise ValueError(f"{source}: method {entry['name']!r}: 'method' must be heads or prompt_lookup")
-        if method == "heads" and not entry.get("heads"):
+        if method not in ("heads", "prompt_lookup", "hybrid"):
+            raise ValueError(f"{source}: method {entry['name']!r}: 'method' must be heads, prompt_lookup or hybrid")
+        if method in ("heads", "hybrid") and not entry.get("heads"):
             raise ValueError(f"{source}: method {entry['name']!r}: needs 'heads' (directory or Hub id)")
         options = HeadsOptions(**{k: (str(v) if k == "tree_size" else v) for k, v in entry.items()
                                   if k in _OPTION_KEYS})
@@ -150,7 +150,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"k = {speculation.num_speculative_tokens}")
             built_info[spec.name] = {"description": f"prompt lookup (n-gram 1..3, {length})"}
             continue
-        built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name)
+        if spec.method == "hybrid":  # prompt lookup (up to max_lookup tokens, as runtime.generate's default) + heads
+            built = hybrid_from_heads(spec.heads, target, spec.options, sampling=decode.sampling, target_name=model_name,
+                                      max_lookup=GenerateArguments.max_speculative_tokens)
+        else:
+            built = proposer_from_heads(spec.heads, target, spec.options, sampling=decode.sampling,
+                                        target_name=model_name)
         proposers[spec.name] = built.proposer
         speculations[spec.name] = SpeculationConfig(num_speculative_tokens=built.size,  # 0: auto turned it off
                                                     max_speculative_tokens=max(built.size, 1))

@@ -9,7 +9,7 @@ import torch
 from runtime.sampling import SamplingConfig
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
-METHODS = ("autoregressive", "prompt_lookup", "draft_model", "heads")
+METHODS = ("autoregressive", "prompt_lookup", "draft_model", "heads", "hybrid")
 HEADS_BUDGET = 1024  # with --heads the proposer sizes its own drafts (--tree_size); the loop only caps them
 
 
@@ -106,7 +106,8 @@ class GenerateArguments:
                 "lookup: per step the length that pays for its verify on this device, from the measured verify cost "
                 "curve and the acceptance learned so far; 0 = a plain step). Default: cost for prompt lookup, 5 "
                 "for a draft model"})
-    max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto' and 'cost'"})
+    max_speculative_tokens: int = field(default=16, metadata={"help": "upper bound for 'auto' and 'cost'; hybrid: "
+                                                              "the longest prompt-lookup chain it adds to the head's"})
     draft_tree_branching: str = field(default="", metadata={"help": "draft-model tree: comma-separated top-b "
                                                             "children per depth, e.g. '2,2' (empty = chain)"})
     max_ngram: int = field(default=3, metadata={"help": "prompt lookup: longest n-gram to match"})
@@ -147,7 +148,7 @@ class GenerateArguments:
     def speculation(self) -> SpeculationConfig:
         """--num_speculative_tokens K|auto|cost -> SpeculationConfig (with --heads: the proposer's own size; with
         cost the proposer picks its length per step, up to --max_speculative_tokens)."""
-        if self.resolved_method() == "heads":
+        if self.resolved_method() in ("heads", "hybrid"):
             return SpeculationConfig(num_speculative_tokens=HEADS_BUDGET, max_speculative_tokens=HEADS_BUDGET)
         length = self.draft_length()
         if length == "auto":
@@ -194,8 +195,8 @@ class GenerateArguments:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("--method draft_model needs --draft_model")
-        if self.method == "heads" and self.heads is None:
-            raise ValueError("--method heads needs --heads DIR_OR_HUB_ID")
+        if self.method in ("heads", "hybrid") and self.heads is None:
+            raise ValueError(f"--method {self.method} needs --heads DIR_OR_HUB_ID")
         return self.method
 
     def heads_options(self):

@@ -272,6 +272,13 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
         costs = lookup_step_costs(target, args.speculation().max_speculative_tokens) \
             if args.draft_length() == "cost" else None
         return PromptLookupProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram, step_costs=costs), None
+    if method == "hybrid":  # prompt lookup and the heads in one tree per step
+        from runtime.proposers.factory import hybrid_from_heads
+        built = hybrid_from_heads(args.heads, target, args.heads_options(), sampling=args.decode_config().sampling,
+                                  seed=args.seed, target_name=args.model, max_lookup=args.max_speculative_tokens,
+                                  max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+        print(f"[hybrid] {built.description}", file=sys.stderr)
+        return built.proposer, None
     if method == "heads":  # the head config's kind picks Medusa / EAGLE / EAGLE-3 / MTP; auto size measured here
         from runtime.proposers.factory import proposer_from_heads
         built = proposer_from_heads(args.heads, target, args.heads_options(), sampling=args.decode_config().sampling,

@@ -24,12 +24,15 @@ class Draft:
     tokens[0] is the root: the last committed token. `probs[i]` (if not None) is the draft distribution q,
     after the same temperature/top-k/top-p processing as the target, from which the children of node i
     were drawn *without replacement*, in child order. `probs is None` means the children are deterministic
-    guesses (point masses); rejection sampling stays lossless either way.
+    guesses (point masses); rejection sampling stays lossless either way. `point_mass[i]` True marks node i as a
+    deterministic guess even where its parent's row of `probs` gave its siblings (a hybrid tree: sampled head
+    children and prompt-lookup tokens under one node).
     """
 
     tokens: torch.Tensor  # [N] int64
     tree: Tree
     probs: torch.Tensor | None = None  # [N, V] float32 or None
+    point_mass: torch.Tensor | None = None  # [N] bool or None (None: every node as `probs` says)
 
 
 class Proposer(Protocol):

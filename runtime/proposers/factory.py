@@ -39,6 +39,7 @@ from runtime.proposers.base import Autoregressive
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.guard import PayingGuard
+from runtime.proposers.hybrid import HybridProposer
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
 from runtime.sampling import SamplingConfig
@@ -106,7 +107,7 @@ class HeadsOptions:
 class HeadsProposer:
     """What `proposer_from_heads` returns: the proposer, its heads' config, and how the size was chosen."""
 
-    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive | PayingGuard
+    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive | PayingGuard | HybridProposer
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
     plan: Plan | None = None  # the planner's batch-1 choice, rows: plain decoding then every shape and size
@@ -207,6 +208,35 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
         label += f", guarded (drafts while this sequence accepts at least a drafted step's cost in plain steps: " \
                  f"{costs.describe(plan.size + 1)})"
     return HeadsProposer(proposer, config, plan.size, plan, label, notes, costs if options.allow_off else None)
+
+
+def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, options: HeadsOptions | None = None,
+                      sampling: SamplingConfig | None = None, seed: int | None = None, target_name: str | None = None,
+                      revision: str | None = None, max_lookup: int = 8, max_ngram: int = 3,
+                      min_ngram: int = 1) -> HeadsProposer:
+    """Prompt lookup and the heads in one tree per step (runtime.proposers.hybrid). The heads are sized as for
+    `--method heads` but never turned off up front (with `auto` the planner's best drafting shape and size): the
+    hybrid decides per step, from both sources' acceptance in the sequence and the step costs at its KV length
+    (verify over up to size + 1 + max_lookup tokens and the head's draft time, measured at a few KV lengths)."""
+    options = replace(options or HeadsOptions(), allow_off=False)
+    built = proposer_from_heads(heads, target, options, sampling, seed, target_name, revision)
+    if target.mode == "plain" or built.size < 1:
+        return built
+    if built.plan is not None:
+        chosen = next(row for row in built.plan.rows[1:] if row["size"] == built.size
+                      and all(row.get(k) == v for k, v in built.plan.shape.items()))
+        expected_tau = float(chosen["expected_tau"])
+    else:  # a fixed size: the chain of its top-1 accuracies, or no promise at all (the probes will tell)
+        table = accuracy_table(built.config)
+        expected_tau = chain_expected_tau(need_table_column(table))(built.size) if table else 1.0
+    lengths = (options.cost_kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > options.cost_kv_length))
+    costs = measure_step_costs(target, built.size + 1 + max_lookup, built.proposer, lengths)
+    proposer = HybridProposer(built.proposer, built.size, expected_tau, costs, max_lookup, max_ngram, min_ngram,
+                              trees=target.mode == "tree")
+    label = (f"hybrid: prompt lookup (up to {max_lookup} tokens) + {built.description} (expected tau "
+             f"{expected_tau:.2f}); per step the split that pays most at the sequence's KV length; head step cost "
+             f"{costs.describe(built.size + 1)}")
+    return HeadsProposer(proposer, built.config, proposer.tree_size, built.plan, label, built.notes, costs)
 
 
 def guarded(proposer, target: TargetModel, size: int, expected_tau: float,

@@ -49,6 +49,62 @@ MAX_PROBE_EVERY = 64
 CONFIDENCE = 1.0
 
 
+class RunningTau:
+    """This sequence's accepted tokens per drafted step (bonus included): a prior of `prior_steps` steps at
+    `prior_tau`, then every observed step, each older one weighing `decay` times the next; `optimistic` adds
+    `confidence` standard errors (decayed variance over the decayed weight)."""
+
+    def __init__(self, prior_tau: float, prior_steps: int = PRIOR_STEPS, decay: float = DECAY,
+                 confidence: float = CONFIDENCE):
+        if prior_tau < 1 or prior_steps <= 0 or not 0 < decay <= 1 or confidence < 0:
+            raise ValueError(f"running tau: need expected_tau >= 1, prior_steps > 0, 0 < decay <= 1, confidence >= 0; "
+                             f"got {prior_tau}, {prior_steps}, {decay}, {confidence}")
+        self.prior_tau, self.prior_steps, self.decay, self.confidence = prior_tau, prior_steps, decay, confidence
+        self.reset()
+
+    def reset(self) -> None:
+        self._weight = float(self.prior_steps)
+        self._accepted = self.prior_steps * self.prior_tau
+        self._squares = self.prior_steps * self.prior_tau ** 2
+
+    def observe(self, accepted_length: int) -> None:
+        self._weight = self.decay * self._weight + 1
+        self._accepted = self.decay * self._accepted + accepted_length
+        self._squares = self.decay * self._squares + accepted_length ** 2
+
+    @property
+    def mean(self) -> float:
+        return self._accepted / self._weight
+
+    @property
+    def optimistic(self) -> float:
+        mean = self.mean
+        variance = max(self._squares / self._weight - mean * mean, 0.0)
+        return mean + self.confidence * (variance / self._weight) ** 0.5
+
+
+class ProbeSchedule:
+    """When a resting drafter drafts anyway to see whether the text became easier: after `first` resting steps,
+    each probe doubling the wait for the next (up to `longest`) until `paid()` says the drafter pays again."""
+
+    def __init__(self, first: int = PROBE_EVERY, longest: int = MAX_PROBE_EVERY):
+        if not 1 <= first <= longest:
+            raise ValueError(f"probes: need 1 <= probe_every <= max_probe_every, got {first}, {longest}")
+        self.first, self.longest = first, longest
+        self.paid()
+
+    def paid(self) -> None:
+        self.interval, self._resting = self.first, 0
+
+    def due(self) -> bool:
+        """Count one resting step; True when it is a probe (the wait for the next one then doubles)."""
+        if self._resting + 1 >= self.interval:
+            self._resting, self.interval = 0, min(2 * self.interval, self.longest)
+            return True
+        self._resting += 1
+        return False
+
+
 class PayingGuard:
     """A proposer that drafts through `inner` while the estimated accepted length pays for `step_cost`, a number or
     a function of the KV length (committed tokens) giving the drafted step's cost over a plain step's."""
@@ -57,26 +113,22 @@ class PayingGuard:
                  prior_steps: int = PRIOR_STEPS, probe_every: int = PROBE_EVERY, decay: float = DECAY,
                  confidence: float = CONFIDENCE, max_probe_every: int = MAX_PROBE_EVERY):
         cost = step_cost if callable(step_cost) else (lambda kv_length, c=float(step_cost): c)
-        if (cost(1) <= 0 or expected_tau < 1 or prior_steps <= 0 or not 1 <= probe_every <= max_probe_every
-                or not 0 < decay <= 1 or confidence < 0):
-            raise ValueError(f"guard: need step_cost > 0, expected_tau >= 1, prior_steps > 0, 1 <= probe_every <= "
-                             f"max_probe_every, 0 < decay <= 1, confidence >= 0; got {cost(1)}, {expected_tau}, "
-                             f"{prior_steps}, {probe_every}/{max_probe_every}, {decay}, {confidence}")
+        if cost(1) <= 0:
+            raise ValueError(f"guard: need step_cost > 0, got {cost(1)}")
         self.inner = inner
         self.hidden_state_indices = inner.hidden_state_indices
         self.cost, self.expected_tau = cost, expected_tau
-        self.prior_steps, self.probe_every, self.decay, self.confidence = prior_steps, probe_every, decay, confidence
-        self.max_probe_every = max_probe_every
-        self._start()
-
-    def _start(self) -> None:
-        self._weight, self._resting, self._interval, self._kv_length = float(self.prior_steps), 0, self.probe_every, 0
-        self._accepted = self.prior_steps * self.expected_tau
-        self._squares = self.prior_steps * self.expected_tau ** 2
+        self.tau = RunningTau(expected_tau, prior_steps, decay, confidence)
+        self.probes = ProbeSchedule(probe_every, max_probe_every)
+        self._kv_length = 0
 
     def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
-        return PayingGuard(copy.copy(self.inner), self.cost, self.expected_tau, self.prior_steps, self.probe_every,
-                           self.decay, self.confidence, self.max_probe_every)
+        return PayingGuard(copy.copy(self.inner), self.cost, self.expected_tau, self.tau.prior_steps,
+                           self.probes.first, self.tau.decay, self.tau.confidence, self.probes.longest)
+
+    @property
+    def decay(self) -> float:
+        return self.tau.decay
 
     @property
     def step_cost(self) -> float:
@@ -86,7 +138,7 @@ class PayingGuard:
     @property
     def probe_interval(self) -> int:
         """Steps between probes while resting: probe_every, doubled by each failed probe up to max_probe_every."""
-        return self._interval
+        return self.probes.interval
 
     @property
     def tree_size(self) -> int:
@@ -97,39 +149,35 @@ class PayingGuard:
     def estimated_tau(self) -> float:
         """Accepted tokens per drafted step (bonus included): the prior's steps and this sequence's, each older
         one weighing `decay` times the next."""
-        return self._accepted / self._weight
+        return self.tau.mean
 
     @property
     def optimistic_tau(self) -> float:
-        """The estimate plus `confidence` standard errors of it (decayed variance over the decayed weight)."""
-        mean = self.estimated_tau
-        variance = max(self._squares / self._weight - mean * mean, 0.0)
-        return mean + self.confidence * (variance / self._weight) ** 0.5
+        """The estimate plus `confidence` standard errors of it."""
+        return self.tau.optimistic
 
     def pays(self) -> bool:
         return self.optimistic_tau >= self.step_cost
 
     def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         self.inner.reset(prompt_ids, prefill_hidden)
-        self._start()
+        self.tau.reset()
+        self.probes.paid()
+        self._kv_length = 0
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         self._kv_length = committed_ids.numel()
         if max_tokens > 0 and self.pays():
-            self._resting, self._interval = 0, self.probe_every
+            self.probes.paid()
             return self.inner.propose(committed_ids, max_tokens)
-        if max_tokens > 0 and self._resting + 1 >= self._interval:  # a probe: if it fails, wait twice as long
-            self._resting, self._interval = 0, min(2 * self._interval, self.max_probe_every)
+        if max_tokens > 0 and self.probes.due():
             return self.inner.propose(committed_ids, max_tokens)
-        self._resting += 1
         return root_only(committed_ids)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         self.inner.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
         if draft.tree.num_nodes > 1:
-            self._weight = self.decay * self._weight + 1
-            self._accepted = self.decay * self._accepted + len(accepted_nodes)
-            self._squares = self.decay * self._squares + len(accepted_nodes) ** 2
+            self.tau.observe(len(accepted_nodes))
             if self.pays():
-                self._interval = self.probe_every
+                self.probes.paid()

@@ -19,11 +19,13 @@ from heads import HeadsConfig, build_heads
 from heads.vocab import build_vocab_mapping, draft_target_ids
 from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.cost_model import CostCurve, StepCosts
 from runtime.generate import GenerationStats, generate
 from runtime.proposers.base import Draft
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.factory import HeadsOptions, accuracy_table, proposer_from_heads
+from runtime.proposers.hybrid import HybridProposer
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
 from runtime.sampling import SamplingConfig, logits_to_probs
@@ -34,10 +36,14 @@ from tests.tiny_models import REPO, STORIES260K, stories260k, tiny_model
 
 TREE16 = REPO / "configs" / "trees" / "medusa_default_16.yaml"
 EAGLE1_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-PROPOSERS = ["medusa", "eagle2", "eagle1", "eagle3", "mtp"]
+PROPOSERS = ["medusa", "eagle2", "eagle1", "eagle3", "mtp", "hybrid"]
+# the hybrid's step costs in these tests: verify nearly free per extra token, a cheap draft (it drafts both sources)
+CHEAP_STEPS = StepCosts([256], [CostCurve([1, 64], [1.0, 1.0 + 0.02 * 63])], [0.05])
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
+
+HYBRID_HEAD = {"hybrid_medusa": "medusa"}  # make_proposer("hybrid_medusa"): lookup + sampled Medusa children
 
 def perm_target(arch: str, scale: float = 5.0, seed: int = 0, **overrides):
     """A tiny model whose greedy next token is mostly sigma(current token): big embeddings dominate the
@@ -98,7 +104,11 @@ def make_heads(kind: str, model, sigma: torch.Tensor | None = None, seed: int = 
 
 
 def make_proposer(name: str, model, sigma=None, sampling=None, seed: int = 0, draft_vocab=None, **head_options):
-    """draft_vocab: (token counts [V], size) gives Medusa/EAGLE/MTP heads a reduced draft vocabulary."""
+    """draft_vocab: (token counts [V], size) gives Medusa/EAGLE/MTP heads a reduced draft vocabulary. "hybrid":
+    prompt lookup + the EAGLE-2 heads in one tree (HYBRID_HEAD for another head)."""
+    if name.startswith("hybrid"):
+        head = make_proposer(HYBRID_HEAD.get(name, "eagle2"), model, sigma, sampling, seed, draft_vocab, **head_options)
+        return HybridProposer(head, head.tree_size, 2.0, CHEAP_STEPS, max_lookup=6)
     kind = {"medusa": "medusa", "eagle2": "eagle", "eagle1": "eagle", "eagle3": "eagle3", "mtp": "mtp"}[name]
     heads = make_heads(kind, model, sigma, seed=seed, **head_options)
     if draft_vocab is not None:
@@ -279,7 +289,7 @@ def small_vocab_target():
     return model
 
 
-SAMPLING_PROPOSERS = ["medusa", "eagle1", "eagle2", "eagle3_tree", "mtp"]
+SAMPLING_PROPOSERS = ["medusa", "eagle1", "eagle2", "eagle3_tree", "mtp", "hybrid_medusa"]
 
 
 def _sampling_proposer(name: str, model):
@@ -299,6 +309,8 @@ def test_tree_rejection_sampling_matches_target(name):
     drafted = proposer.propose(torch.tensor([1, 5, 3, 6, 7, 4, 3, 5, 6]), proposer.tree_size)
     assert drafted.tree.num_nodes > 2
     assert (drafted.probs is None) == (name == "eagle2")  # dynamic trees: point masses; static: sampled q rows
+    if name == "hybrid_medusa":  # lookup tokens (point masses) merged into a tree of sampled Medusa children
+        assert drafted.point_mass is not None and 0 < int(drafted.point_mass.sum()) < drafted.tree.num_nodes - 1
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
@@ -538,9 +550,11 @@ def test_bench_heads_compares_methods(tmp_path, monkeypatch):
                       f"  - {{name: pl_auto, method: prompt_lookup, num_speculative_tokens: auto}}\n"
                       f"  - {{name: pl_cost, method: prompt_lookup, num_speculative_tokens: cost}}\n"
                       f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
-                      f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n")
+                      f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n"
+                      f"  - {{name: hybrid, method: hybrid, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, "
+                      f"tree_top_k: 2}}\n")
     payload = main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")])  # flag beats config
-    assert [m["method"] for m in payload["methods"]] == ["pl", "pl_auto", "pl_cost", "medusa3", "eagle2"]
+    assert [m["method"] for m in payload["methods"]] == ["pl", "pl_auto", "pl_cost", "medusa3", "eagle2", "hybrid"]
     assert all(m["greedy_identical"] for m in payload["methods"])
     assert not (tmp_path / "out").exists()
     detail = json.loads((tmp_path / "elsewhere" / "medusa3.json").read_text())

@@ -1,0 +1,189 @@
+"""The hybrid drafter: prompt-lookup candidates and a trained head's candidates in ONE tree, verified in one forward.
+
+Prompt lookup wins where the answer copies the prompt (summaries, translations that keep names, answers quoting
+retrieved passages); a head wins where it does not (chat, math). Neither knows in advance which text it is in, and
+within one answer the two alternate. So each step the hybrid asks both what they offer, at the KV length the
+sequence has reached (runtime.cost_model.StepCosts: verify over q tokens and the head's draft time, relative to a
+plain step), and takes the best of:
+
+    plain          1                                   / 1
+    lookup k       E_l(k) = 1 + sum_{j<=k} prod a_i    / verify(1 + k)
+    head m         tau_h                               / (verify(1 + m) + draft)
+    both           E_l(k) + (1 - a_1) (tau_h - 1)      / (verify(1 + k + m) + draft)
+
+k is what prompt lookup alone would draft (runtime.proposers.prompt_lookup: the prefix length of the match that
+pays most per unit cost, by this sequence's learned conditional acceptances a_i, with its REQUIRED_GAIN margin over a
+plain step), m is the head's planned size, tau_h this sequence's accepted length per head draft (a RunningTau whose
+prior is the planner's expected tau, read optimistically like the guard's). "Both" counts the head's gain only where
+the lookup's first token is rejected (where it is accepted the lookup's chain is followed). So the draft budget of a
+step goes to the sources by what each is measured to return in this sequence: all to the lookup while text is
+copied, all to the head while it is not, both when both promise. A head that is not chosen rests and is probed on
+the guard's schedule (runtime.proposers.guard.ProbeSchedule), so its estimate can recover.
+
+The tree: the head's draft as it is, then the lookup chain merged in from the root (a lookup token equal to a head
+child follows that child; the first one that is not becomes a new node, the rest of the chain below it). Lookup
+nodes are point masses (Draft.point_mass), so rejection sampling stays lossless also under a head whose children
+were sampled from q; under greedy, the loop follows the target's argmax as for any tree. What the head accepted is
+measured on its own nodes only (its tree is closed under ancestors, so that is what it alone would have accepted);
+the head is fed the accepted path whichever source drafted it (its on_accept sees that path as a chain).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from runtime.cost_model import StepCosts
+from runtime.proposers.base import Draft, Proposer, root_only
+from runtime.proposers.guard import ProbeSchedule, RunningTau
+from runtime.proposers.prompt_lookup import (
+    LEARNING_RATE,
+    PRIOR_ACCEPTANCE,
+    REQUIRED_GAIN,
+    best_draft_length,
+    expected_tokens,
+    learn,
+    lookup_match,
+)
+from runtime.tree import Tree
+
+
+def merge_chain(head: Draft, chain: list[int]) -> tuple[Draft, int]:
+    """`head` with the token chain merged in from its root: returns (draft, nodes added). Added nodes come after the
+    head's (parents before children), are point masses, and get zero rows of probs (their children are point masses
+    too, so acceptance never reads those rows)."""
+    tokens, parents = head.tokens.tolist(), head.tree.parents.tolist()
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, len(tokens)):
+        children.setdefault(parents[node], {}).setdefault(tokens[node], node)
+    node, added = 0, 0
+    for token in chain:
+        nxt = children.get(node, {}).get(token)
+        if nxt is None:
+            tokens.append(token)
+            parents.append(node)
+            nxt = len(tokens) - 1
+            children.setdefault(node, {})[token] = nxt
+            added += 1
+        node = nxt
+    if not added:
+        return head, 0
+    n = len(tokens)
+    point_mass = torch.zeros(n, dtype=torch.bool)
+    point_mass[n - added:] = True
+    if head.point_mass is not None:
+        point_mass[: n - added] = head.point_mass
+    probs = None
+    if head.probs is not None:
+        probs = torch.cat([head.probs, head.probs.new_zeros(added, head.probs.shape[1])])
+    return Draft(tokens=torch.tensor(tokens, dtype=head.tokens.dtype, device=head.tokens.device),
+                 tree=Tree.from_parents(parents), probs=probs,
+                 point_mass=point_mass.to(head.tokens.device) if probs is not None else None), added
+
+
+def path_view(draft: Draft, accepted_nodes: list[int], tree_hidden: dict[int, torch.Tensor] | None
+              ) -> tuple[Draft, list[int], dict[int, torch.Tensor] | None]:
+    """The accepted path of a tree as a chain draft with its hidden rows: what a head's on_accept needs to feed its
+    state, whatever tree (or source) the path came from."""
+    rows = torch.tensor(accepted_nodes, device=draft.tokens.device)
+    chain = Draft(tokens=draft.tokens.index_select(0, rows), tree=Tree.chain(len(accepted_nodes) - 1))
+    hidden = None if tree_hidden is None else {i: h.index_select(0, rows.to(h.device)) for i, h in tree_hidden.items()}
+    return chain, list(range(len(accepted_nodes))), hidden
+
+
+class HybridProposer:
+    """Prompt lookup and `head` (an unguarded heads proposer drafting `head_size` tokens, expected to accept
+    `expected_tau` per step by its plan) in one tree per step, sized by `costs` at the sequence's KV length."""
+
+    def __init__(self, head: Proposer, head_size: int, expected_tau: float, costs: StepCosts, max_lookup: int = 8,
+                 max_ngram: int = 3, min_ngram: int = 1, required_gain: float = REQUIRED_GAIN, trees: bool = True):
+        if head_size < 1 or max_lookup < 1:
+            raise ValueError(f"hybrid: need a head size >= 1 and --max_speculative_tokens >= 1, got {head_size}, "
+                             f"{max_lookup}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.head, self.head_size, self.expected_tau, self.costs = head, head_size, expected_tau, costs
+        self.max_lookup, self.max_ngram, self.min_ngram, self.required_gain = max_lookup, max_ngram, min_ngram, \
+            required_gain
+        self.trees = trees  # False for a target that verifies chains only: one source per step, never both
+        self.hidden_state_indices = head.hidden_state_indices
+        self.tau = RunningTau(expected_tau)
+        self.probes = ProbeSchedule()
+        self.reset(None, None)
+
+    def __copy__(self) -> HybridProposer:  # runtime.proposers.base.per_row
+        return HybridProposer(copy.copy(self.head), self.head_size, self.expected_tau, self.costs, self.max_lookup,
+                              self.max_ngram, self.min_ngram, self.required_gain, self.trees)
+
+    @property
+    def tree_size(self) -> int:
+        return self.head_size + self.max_lookup
+
+    def reset(self, prompt_ids: torch.Tensor | None, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        if prompt_ids is not None:
+            self.head.reset(prompt_ids, prefill_hidden)
+        self.acceptance: dict[int, list[float]] = {}  # matched n-gram length -> this sequence's [a_1, a_2, ...]
+        self._pending: tuple[int, list[int], int] | None = None  # (n, candidate, committed length) to learn from
+        self._head_nodes = 0  # nodes of the last draft that came from the head (root included), 0 = it did not draft
+        self.tau.reset()
+        self.probes.paid()
+        self.last_choice = ""
+
+    def _lookup_acceptance(self, n: int) -> list[float]:
+        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]])
+        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (self.max_lookup - len(acceptance)))
+        return acceptance
+
+    def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
+             head_tau: float, probe: bool) -> tuple[int, int]:
+        """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
+        plain_costs = [self.costs.relative(q, kv_length, drafting=False) for q in range(1, match_length + 2)]
+        k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
+        lookup_tokens = expected_tokens(acceptance, k)
+        options = {(k, 0): lookup_tokens / plain_costs[k]}
+        if head_tokens:
+            options[(0, head_tokens)] = head_tau / self.costs.relative(1 + head_tokens, kv_length)
+            if k and self.trees:
+                both = lookup_tokens + (1 - acceptance[0]) * (head_tau - 1)
+                options[(k, head_tokens)] = both / self.costs.relative(1 + k + head_tokens, kv_length)
+        if probe:
+            options = {key: rate for key, rate in options.items() if key[1]}
+        return max(options, key=lambda key: (options[key], -key[0] - key[1]))
+
+    def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        self._learn_from_last_step(committed_ids)
+        self._head_nodes = 0
+        if max_tokens <= 0:
+            return root_only(committed_ids)
+        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, min(max_tokens, self.max_lookup))
+        acceptance = self._lookup_acceptance(n) if n else [PRIOR_ACCEPTANCE[0]]
+        if n:
+            self._pending = (n, candidate.tolist(), committed_ids.numel())
+        head_tokens = min(self.head_size, max_tokens)
+        k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic, False)
+        if m:
+            self.probes.paid()
+        elif head_tokens and self.probes.due():
+            k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic,
+                             True)
+        k = min(k, max_tokens - m)
+        self.last_choice = f"lookup {k} + head {m}"
+        draft = self.head.propose(committed_ids, m) if m else root_only(committed_ids)
+        self._head_nodes = draft.tree.num_nodes if m else 0
+        if k:
+            draft, _ = merge_chain(draft, candidate[:k].tolist())
+        return draft
+
+    def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        n, candidate, length = self._pending
+        self._pending = None
+        learn(self.acceptance[n], candidate, committed_ids[length:].tolist(), LEARNING_RATE)
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.head.on_accept(committed_ids, *path_view(draft, accepted_nodes, tree_hidden))
+        if self._head_nodes > 1:
+            self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))

@@ -1,0 +1,134 @@
+"""runtime.proposers.hybrid: prompt lookup and a head in one tree; the per-step split; the CLI and the factory.
+
+Greedy identity across architectures and the chi-square test of rejection sampling run in test_head_proposers.py
+("hybrid" in PROPOSERS, "hybrid_medusa" in SAMPLING_PROPOSERS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads import HeadsConfig, build_heads
+from runtime.cost_model import CostCurve, StepCosts
+from runtime.proposers.base import Draft, root_only
+from runtime.proposers.hybrid import HybridProposer, merge_chain, path_view
+from runtime.tree import Tree
+from tests.tiny_models import STORIES260K, stories260k
+
+
+class _Fixed:
+    """A head that drafts one fixed tree and records what it was fed."""
+
+    hidden_state_indices = (-1,)
+    tree_size = 3
+
+    def __init__(self, draft: Draft):
+        self.draft, self.fed = draft, []
+
+    def reset(self, prompt_ids, prefill_hidden):
+        self.fed = []
+
+    def propose(self, committed_ids, max_tokens):
+        return self.draft if max_tokens > 0 else root_only(committed_ids)
+
+    def on_accept(self, committed_ids, draft, accepted_nodes, tree_hidden):
+        self.fed.append((draft.tokens.tolist(), accepted_nodes, tree_hidden[-1].tolist()))
+
+
+def _costs(per_token: float, draft: float = 0.05, kv_growth: float = 0.0) -> StepCosts:
+    """Verify costing 1 + per_token per extra query token at KV 256 (kv_growth more per token at KV 2048)."""
+    at = lambda growth: CostCurve([1, 64], [1.0, 1.0 + growth * 63])  # noqa: E731
+    return StepCosts([256, 2048], [at(per_token), at(per_token + kv_growth)], [draft, draft])
+
+
+def test_the_lookup_chain_is_merged_under_the_head_children_it_matches():
+    head = Draft(tokens=torch.tensor([9, 4, 5, 6]), tree=Tree.from_parents([-1, 0, 0, 1]),
+                 probs=torch.full((4, 10), 0.1))
+    merged, added = merge_chain(head, [4, 6, 7, 8])  # 4 = node 1, 6 = node 3 (child of 1): 7 and 8 are new
+    assert added == 2 and merged.tokens.tolist() == [9, 4, 5, 6, 7, 8]
+    assert merged.tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert merged.point_mass.tolist() == [False] * 4 + [True] * 2 and merged.probs[4:].abs().sum() == 0
+    assert merge_chain(head, [4, 6])[0] is head  # nothing new: the head's draft unchanged
+    other, added = merge_chain(head, [7])  # a new child of the root, after the head's children
+    assert added == 1 and other.tree.children(0) == [1, 2, 4]
+    plain, added = merge_chain(root_only(torch.tensor([3, 9])), [1, 2])  # no head draft: a chain, no probs
+    assert plain.tree.parents.tolist() == [-1, 0, 1] and plain.probs is None and plain.point_mass is None
+
+
+def test_the_head_is_fed_the_accepted_path_whatever_source_drafted_it():
+    head_draft = Draft(tokens=torch.tensor([9, 4, 5]), tree=Tree.from_parents([-1, 0, 0]))
+    head = _Fixed(head_draft)
+    hybrid = HybridProposer(head, 2, 3.0, _costs(0.01), max_lookup=4)
+    prompt = torch.tensor([1, 9, 7, 2, 3, 9])  # the last token 9 occurred before, followed by 7 2 3 9
+    hybrid.reset(prompt, {-1: torch.zeros(6, 2)})
+    draft = hybrid.propose(prompt, 16)
+    assert draft.tokens.tolist()[:3] == [9, 4, 5] and draft.tokens.tolist()[3:] == [7, 2, 3, 9]
+    accepted = [0, 3, 4]  # the lookup's 7 then 2
+    hidden = {-1: torch.arange(14.0).reshape(7, 2)}
+    hybrid.on_accept(torch.cat([prompt, torch.tensor([7, 2, 3])]), draft, accepted, hidden)
+    tokens, nodes, rows = head.fed[-1]
+    assert tokens == [9, 7, 2] and nodes == [0, 1, 2] and rows == hidden[-1][accepted].tolist()
+    assert hybrid.tau.mean < 3.0  # the head's own nodes accepted nothing: tau 1 observed
+    chain, nodes, rows = path_view(draft, [0], None)
+    assert chain.tokens.tolist() == [9] and nodes == [0] and rows is None
+
+
+def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
+    hybrid = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, _costs(0.03), max_lookup=6)
+    copying = [0.95] * 6
+    cold = [0.05] * 6
+    # text being copied, a weak head: the lookup chain alone
+    assert hybrid.plan(256, copying, 6, 4, 1.05, probe=False) == (6, 0)
+    # nothing to copy, a head that accepts: the head alone
+    assert hybrid.plan(256, cold, 6, 4, 2.2, probe=False) == (0, 4)
+    # both promise: one tree with both
+    assert hybrid.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)[1] == 4
+    assert hybrid.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)[0] > 0
+    # neither pays: a plain step
+    assert hybrid.plan(256, cold, 6, 4, 1.05, probe=False) == (0, 0)
+    # a probe makes the head draft, with whatever lookup pays
+    assert hybrid.plan(256, cold, 6, 4, 1.05, probe=True)[1] == 4
+    # the same head, its step dearer at a long context: rests there
+    dear = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, _costs(0.03, kv_growth=0.3), max_lookup=6)
+    assert dear.plan(256, cold, 6, 4, 1.5, probe=False) == (0, 4)
+    assert dear.plan(2048, cold, 6, 4, 1.5, probe=False) == (0, 0)
+    # a target that verifies chains only: never both in one step
+    chains = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, _costs(0.03), max_lookup=6, trees=False)
+    assert 0 in chains.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)
+
+
+def test_generate_cli_and_bad_flags(tmp_path, capsys, monkeypatch):
+    from runtime.config import GenerateArguments
+    from runtime.generate import main
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model = stories260k()
+    build_heads(HeadsConfig.for_target("eagle", model, str(STORIES260K))).save_pretrained(tmp_path / "eagle")
+    args = GenerateArguments(model=str(STORIES260K), method="hybrid", heads=str(tmp_path / "eagle"))
+    assert args.resolved_method() == "hybrid" and args.speculation().num_speculative_tokens >= 64
+    stats = main(["--model", str(STORIES260K), "--method", "hybrid", "--heads", str(tmp_path / "eagle"),
+                  "--tree_size", "4", "--tree_depth", "2", "--tree_top_k", "2", "--max_speculative_tokens", "6",
+                  "--prompt", "Once upon a time there was a cat. Once upon a time", "--max_new_tokens", "24",
+                  "--exact"])
+    err = capsys.readouterr().err
+    assert stats.new_tokens == 24 and "[hybrid] hybrid: prompt lookup (up to 6 tokens) + eagle dynamic tree" in err
+    plain = main(["--model", str(STORIES260K), "--method", "autoregressive", "--prompt",
+                  "Once upon a time there was a cat. Once upon a time", "--max_new_tokens", "24", "--exact"])
+    assert plain.new_tokens == 24
+    with pytest.raises(ValueError, match="--method hybrid needs --heads"):
+        GenerateArguments(method="hybrid").resolved_method()
+
+
+def test_the_python_api_takes_method_hybrid(tmp_path, monkeypatch):
+    from runtime.api import SpeculativeModel
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    model = stories260k()
+    build_heads(HeadsConfig.for_target("medusa", model, str(STORIES260K), medusa_num_heads=3)).save_pretrained(
+        tmp_path / "medusa")
+    prompt = "Once upon a time there was a dog. The dog was happy. Once upon a time there was a dog."
+    hybrid = SpeculativeModel.from_pretrained(str(STORIES260K), method="hybrid", heads=str(tmp_path / "medusa"),
+                                              tree_size="3", exact=True)
+    plain = SpeculativeModel.from_pretrained(str(STORIES260K), method="autoregressive", exact=True)
+    assert isinstance(hybrid.proposer, HybridProposer)
+    assert hybrid.generate(prompt, max_new_tokens=40).token_ids == plain.generate(prompt, max_new_tokens=40).token_ids
