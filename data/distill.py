@@ -379,15 +379,16 @@ def stop_ids(generation: GenerationConfig) -> list[int]:
 
 
 def make_engine(config: DistillConfig, target: Target, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
-                max_length: int):
-    """The `--engine` that answers, with the sampling settings of the run."""
+                max_length: int, local_rank: int = 0):
+    """The `--engine` that answers, with the sampling settings of the run (vLLM's threads: cores from
+    local_rank * --num_threads, so processes of one machine do not share cores)."""
     sampling = Sampling(config.max_new_tokens, fmt.stop_token_ids, config.temperature, config.top_p, config.seed)
     if config.engine == "hf":
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
         return HFEngine(target.model, sampling, pad_id, config.batch_size)
     if config.engine == "vllm":
         return VllmEngine(model_path(config.model), target.dtype, max_length, sampling, config.num_threads,
-                          python=config.vllm_python)
+                          python=config.vllm_python, first_core=local_rank * config.num_threads)
 
     def render(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -457,7 +458,7 @@ def run(config: DistillConfig) -> dict[str, Any]:
         if (output_dir / MANIFEST).is_file():
             print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
             return json.loads((output_dir / MANIFEST).read_text())
-    engine = make_engine(config, target, tokenizer, fmt, max_length)
+    engine = make_engine(config, target, tokenizer, fmt, max_length, state.local_process_index)
     try:
         if config.dry_run:
             dry_run(engine, tokenizer, fmt, conversations, config.max_new_tokens, max_length)

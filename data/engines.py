@@ -125,10 +125,10 @@ class VllmEngine:
     max_batch = None  # vLLM schedules the whole round itself
 
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, sampling: Sampling, threads: int,
-                 python: str | None = None):
+                 python: str | None = None, first_core: int = 0):
         self.sampling, self.python, self.dtype, self.process = sampling, python, dtype, None
         arguments = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "seed": sampling.seed,
-                     "threads": threads}
+                     "threads": threads, "first_core": first_core}
         if python is None:
             error = vllm_import_error()
             if error is not None:

@@ -8,8 +8,9 @@ Used two ways by `data.engines`:
   "seed"} -> {"answers": [{"tokens": [...], "finished": bool}]}. vLLM's own logging goes to stderr (the protocol
   keeps the original stdout).
 
-vLLM on CPU runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with its OpenMP threads bound to cores
-0..threads-1 and a 2 GiB KV cache unless the environment says otherwise.
+vLLM on CPU runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with its OpenMP threads bound to `threads`
+cores from `first_core` (process r of an `accelerate launch` takes its own) and a 2 GiB KV cache, unless the
+environment says otherwise.
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ import os
 import sys
 
 
-def configure_environment(threads: int) -> None:
+def configure_environment(threads: int, first_core: int = 0) -> None:
     """vLLM CPU settings, only where the caller's environment sets none (read when vLLM is imported)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads <= 1 else f"0-{threads - 1}")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    mine = [cores[(first_core + i) % len(cores)] for i in range(max(threads, 1))]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 class VllmGenerator:
     """One `vllm.LLM` on a HF-format model directory; greedy (or sampled) answers to token-id prompts."""
 
-    def __init__(self, model: str, dtype: str, max_model_len: int, seed: int = 0, threads: int = 1):
-        configure_environment(threads)
+    def __init__(self, model: str, dtype: str, max_model_len: int, seed: int = 0, threads: int = 1,
+                 first_core: int = 0):
+        configure_environment(threads, first_core)
         import vllm
         from vllm import LLM
 
