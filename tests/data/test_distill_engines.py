@@ -165,6 +165,15 @@ def test_vllm_worker_protocol_with_a_stand_in_vllm(hf_reference, prompts, tmp_pa
     assert manifest["engine"]["python"] == sys.executable
 
 
+def test_vllm_worker_that_dies_is_one_line(prompts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests" / "data" / "fake_vllm"))
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "Unsupported CPU attention configuration")
+    line = one_line_error(flags(prompts, tmp_path / "out", "--engine", "vllm", "--vllm_python", sys.executable),
+                          capsys)
+    assert line.startswith(f"error: --engine vllm: the vLLM worker ({sys.executable}) exited with status 1: "
+                           "RuntimeError: Unsupported CPU attention configuration (log: "), line
+
+
 
 def test_bench_runs_every_engine_on_one_job(prompts, target, tmp_path):
     from data import bench_distill

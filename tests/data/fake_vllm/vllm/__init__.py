@@ -1,6 +1,7 @@
 """A stand-in for vLLM's offline API (LLM, SamplingParams, outputs) answering with HF greedy generation, one prompt
 at a time: lets tests run data/vllm_worker.py's protocol without vLLM installed. Greedy only."""
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,8 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model, dtype="float32", **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError(os.environ["FAKE_VLLM_FAIL"])
         torch.set_num_threads(1)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
 
