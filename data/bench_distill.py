@@ -8,7 +8,8 @@ generation, tokenisation, shard writing, merge) into a temporary directory, on t
 generation time its manifest records (model loading and vLLM's start excluded; `wall_seconds` includes them).
 Engines: `hf` (one run per `--batch_sizes` entry), `vllm` (in the worker of `--vllm_python`, default the venv
 tests/engines/check_vllm.sh builds, when it exists, or in-process when `import vllm` works), `server` (with
-`--server_url`). `--engines auto` = every one available. Answers are compared per assistant turn with the hf run of
+`--server_url`; it runs in whatever dtype it serves, once, compared with the first of `--dtypes`). `--engines auto` =
+every one available. Answers are compared per assistant turn with the hf run of
 `--batch_size` in the same dtype: greedy decoding with other kernels or batch shapes differs at near-ties, so the
 share of identical answers (and the mean share of tokens before the first difference) is reported, not required.
 Writes `--output` (default results/distill_engines_<model>_<cpu>.json).
@@ -140,7 +141,9 @@ def run_one(bench: BenchConfig, engine: str, dtype: str, batch_size: int, work: 
         raise ValueError(f"--engines {engine} (--dtype {dtype}): data.distill exited {done.returncode}: {error}")
     manifest = json.loads((output_dir / "manifest.json").read_text())
     seconds, generated = manifest["generation_seconds"], manifest["tokens"]["generated"]
-    record = {"engine": engine, "dtype": dtype, "batch_size": batch_size if engine == "hf" else None,
+    ran_in = manifest["engine"].get("dtype") or dtype if engine != "server" else "served"
+    record = {"engine": engine, "dtype": ran_in, "dtype_pass": dtype,
+              "batch_size": batch_size if engine == "hf" else None,
               "engine_info": manifest["engine"], "conversations": manifest["conversations_written"],
               "skipped": manifest["conversations_skipped"], "answers": manifest["assistant_turns"],
               "truncated_answers": manifest["truncated_answers"], "generated_tokens": generated,
@@ -159,9 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(bench.model)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in bench.dtypes.split(","):
+        for number, dtype in enumerate(bench.dtypes.split(",")):
             reference = None
             for engine in names:
+                if engine == "server" and number:  # the server runs in its own dtype: once, against the first
+                    continue
                 for batch_size in batch_sizes if engine == "hf" else [bench.batch_size]:
                     record, output_dir = run_one(bench, engine, dtype, batch_size, Path(tmp))
                     found = answers(output_dir)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                         record[f"vs_hf_batch_{bench.batch_size}"] = agreement(reference, found, tokenizer)
                     results.append(record)
     for record in results:
-        base = next(r for r in results if r["dtype"] == record["dtype"] and r["engine"] == names[0])
+        base = next(r for r in results if r["dtype_pass"] == record["dtype_pass"] and r["engine"] == names[0])
         record["speedup_vs_" + names[0]] = round(record["generated_tokens_per_second"] /
                                                  base["generated_tokens_per_second"], 2)
     model_tag = Path(bench.model).name.split("-")[0].lower()
