@@ -24,6 +24,7 @@ download; timing does not depend on the weights):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -63,7 +64,7 @@ class CostCurve:
         if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
             raise ValueError(f"cost curve token counts must be increasing and >= 1, got {self.tokens}")
 
-    @property
+    @functools.cached_property
     def fitted(self) -> list[float]:
         """The medians made non-decreasing in the token count (isotonic least-squares fit): a forward over
         more tokens never costs less, so dips are timing noise of a shared machine."""
