@@ -49,7 +49,7 @@ class BenchConfig:
     vllm_python: str = ""  # default: DEFAULT_VLLM_PYTHON when it exists and vllm is not importable here
     server_url: str = ""
     server_model: str = ""
-    concurrency: int = 8
+    concurrency: int = 32
     plain_format: bool = False
     num_threads: int = 1
     output: str = ""

@@ -121,7 +121,8 @@ class DistillConfig:
     server_model: str | None = _help("server: model name sent in requests; default: the first of /v1/models.")
     server_prompt: str = _help("server: send prompts as token ids (exact) or as text (the server tokenises; for "
                                "servers that take no token ids).", "ids")
-    concurrency: int = _help("server: requests in flight at once.", 8)
+    concurrency: int = _help("server: requests in flight at once (a shard round is at most --shard_size "
+                             "prompts; measured with vLLM serve: 32 in flight gave 2x the tokens/s of 8).", 32)
     request_timeout: float = _help("server: seconds one request may take.", 600.0)
     max_retries: int = _help("server: retries of a failed request (connection error, HTTP 429/5xx), backoff "
                              "0.5 s doubling.", 3)

@@ -238,7 +238,7 @@ class ServerEngine:
     name = "server"
     max_batch = None
 
-    def __init__(self, url: str, sampling: Sampling, model: str | None = None, concurrency: int = 8,
+    def __init__(self, url: str, sampling: Sampling, model: str | None = None, concurrency: int = 32,
                  timeout: float = 600.0, max_retries: int = 3, prompt_as: str = "ids", render=None):
         self.url, self.sampling, self.concurrency = base_url(url), sampling, concurrency
         self.timeout, self.max_retries, self.prompt_as, self.render = timeout, max_retries, prompt_as, render
