@@ -82,8 +82,9 @@ def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
     # nothing to copy, a head that accepts: the head alone
     assert hybrid.plan(256, cold, 6, 4, 2.2, probe=False) == (0, 4)
     # both promise: one tree with both
-    assert hybrid.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)[1] == 4
-    assert hybrid.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)[0] > 0
+    cheap = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, _costs(0.01, draft=0.0), max_lookup=6)
+    k, m = cheap.plan(256, [0.7] * 6, 6, 4, 3.0, probe=False)
+    assert k > 0 and m == 4
     # neither pays: a plain step
     assert hybrid.plan(256, cold, 6, 4, 1.05, probe=False) == (0, 0)
     # a probe makes the head draft, with whatever lookup pays
@@ -94,7 +95,7 @@ def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
     assert dear.plan(2048, cold, 6, 4, 1.5, probe=False) == (0, 0)
     # a target that verifies chains only: never both in one step
     chains = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, _costs(0.03), max_lookup=6, trees=False)
-    assert 0 in chains.plan(256, [0.6] * 6, 6, 4, 2.2, probe=False)
+    assert 0 in chains.plan(256, [0.7] * 6, 6, 4, 3.0, probe=False)
 
 
 def test_generate_cli_and_bad_flags(tmp_path, capsys, monkeypatch):
