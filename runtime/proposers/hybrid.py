@@ -18,7 +18,8 @@ prior is the planner's expected tau, read optimistically like the guard's). "Bot
 the lookup's first token is rejected (where it is accepted the lookup's chain is followed). So the draft budget of a
 step goes to the sources by what each is measured to return in this sequence: all to the lookup while text is
 copied, all to the head while it is not, both when both promise. A head that is not chosen rests and is probed on
-the guard's schedule (runtime.proposers.guard.ProbeSchedule), so its estimate can recover.
+the guard's schedule (runtime.proposers.guard.ProbeSchedule), so its estimate can recover; a probe only takes the
+place of a plain step (while the lookup drafts, the head waits).
 
 The tree: the head's draft as it is, then the lookup chain merged in from the root (a lookup token equal to a head
 child follows that child; the first one that is not becomes a new node, the rest of the chain below it). Lookup
@@ -54,6 +55,7 @@ from runtime.tree import Tree
 # the text copies and the main job's head is near break-even, without the margin the hybrid ran 0.86-0.94x of
 # prompt lookup alone at the same tau (2.70): its head-only steps cost 2.5 ms of drafting for nothing.
 HEAD_MARGIN = 1.05
+KV_BUCKET = 16  # step costs are read at the KV length rounded down to a multiple of this
 
 
 def merge_chain(head: Draft, chain: list[int]) -> tuple[Draft, int]:
@@ -117,6 +119,7 @@ class HybridProposer:
         self.hidden_state_indices = head.hidden_state_indices
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
+        self._costs_read: dict[tuple[int, int, bool], float] = {}
         self.reset(None, None)
 
     def __copy__(self) -> HybridProposer:  # runtime.proposers.base.per_row
@@ -142,18 +145,25 @@ class HybridProposer:
         acceptance.extend([PRIOR_ACCEPTANCE[1]] * (self.max_lookup - len(acceptance)))
         return acceptance
 
+    def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
+        """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them)."""
+        key = (tokens, kv_length // KV_BUCKET, drafting)
+        if key not in self._costs_read:
+            self._costs_read[key] = self.costs.relative(tokens, key[1] * KV_BUCKET, drafting)
+        return self._costs_read[key]
+
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
              head_tau: float, probe: bool) -> tuple[int, int]:
         """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
-        plain_costs = [self.costs.relative(q, kv_length, drafting=False) for q in range(1, match_length + 2)]
+        plain_costs = [self._cost(q, kv_length, False) for q in range(1, match_length + 2)]
         k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
         lookup_tokens = expected_tokens(acceptance, k)
         options = {(k, 0): lookup_tokens / plain_costs[k]}
         if head_tokens:
-            options[(0, head_tokens)] = head_tau / self.costs.relative(1 + head_tokens, kv_length) / HEAD_MARGIN
+            options[(0, head_tokens)] = head_tau / self._cost(1 + head_tokens, kv_length, True) / HEAD_MARGIN
             if k and self.trees:
                 both = lookup_tokens + (1 - acceptance[0]) * (head_tau - 1)
-                options[(k, head_tokens)] = both / self.costs.relative(1 + k + head_tokens, kv_length) / HEAD_MARGIN
+                options[(k, head_tokens)] = both / self._cost(1 + k + head_tokens, kv_length, True) / HEAD_MARGIN
         if probe:
             options = {key: rate for key, rate in options.items() if key[1]}
         return max(options, key=lambda key: (options[key], -key[0] - key[1]))
@@ -171,7 +181,7 @@ class HybridProposer:
         k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic, False)
         if m:
             self.probes.paid()
-        elif head_tokens and self.probes.due():
+        elif head_tokens and not k and self.probes.due():  # a probe replaces a plain step, never a lookup draft
             k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic,
                              True)
         k = min(k, max_tokens - m)
