@@ -39,12 +39,11 @@ from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, root_only
 from runtime.proposers.guard import ProbeSchedule, RunningTau
 from runtime.proposers.prompt_lookup import (
-    LEARNING_RATE,
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
+    LookupAcceptance,
     best_draft_length,
     expected_tokens,
-    learn,
     lookup_match,
 )
 from runtime.tree import Tree
@@ -120,6 +119,7 @@ class HybridProposer:
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
         self._costs_read: dict[tuple[int, int, bool], float] = {}
+        self.lookup = LookupAcceptance()
         self.reset(None, None)
 
     def __copy__(self) -> HybridProposer:  # runtime.proposers.base.per_row
@@ -133,17 +133,11 @@ class HybridProposer:
     def reset(self, prompt_ids: torch.Tensor | None, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         if prompt_ids is not None:
             self.head.reset(prompt_ids, prefill_hidden)
-        self.acceptance: dict[int, list[float]] = {}  # matched n-gram length -> this sequence's [a_1, a_2, ...]
-        self._pending: tuple[int, list[int], int] | None = None  # (n, candidate, committed length) to learn from
+        self.lookup.reset()  # this sequence's acceptances of lookup drafts
         self._head_nodes = 0  # nodes of the last draft that came from the head (root included), 0 = it did not draft
         self.tau.reset()
         self.probes.paid()
         self.last_choice = ""
-
-    def _lookup_acceptance(self, n: int) -> list[float]:
-        acceptance = self.acceptance.setdefault(n, [PRIOR_ACCEPTANCE[0]])
-        acceptance.extend([PRIOR_ACCEPTANCE[1]] * (self.max_lookup - len(acceptance)))
-        return acceptance
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
         """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them)."""
@@ -169,14 +163,14 @@ class HybridProposer:
         return max(options, key=lambda key: (options[key], -key[0] - key[1]))
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
-        self._learn_from_last_step(committed_ids)
+        self.lookup.learn(committed_ids)
         self._head_nodes = 0
         if max_tokens <= 0:
             return root_only(committed_ids)
         n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, min(max_tokens, self.max_lookup))
-        acceptance = self._lookup_acceptance(n) if n else [PRIOR_ACCEPTANCE[0]]
+        acceptance = self.lookup.of(n, self.max_lookup) if n else [PRIOR_ACCEPTANCE[0]]
         if n:
-            self._pending = (n, candidate.tolist(), committed_ids.numel())
+            self.lookup.offered(n, candidate, committed_ids.numel())
         head_tokens = min(self.head_size, max_tokens)
         k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic, False)
         if m:
@@ -191,13 +185,6 @@ class HybridProposer:
         if k:
             draft, _ = merge_chain(draft, candidate[:k].tolist())
         return draft
-
-    def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
-        if self._pending is None:
-            return
-        n, candidate, length = self._pending
-        self._pending = None
-        learn(self.acceptance[n], candidate, committed_ids[length:].tolist(), LEARNING_RATE)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:

@@ -79,6 +79,35 @@ def learn(acceptance: list[float], candidate: Sequence[int], committed: Sequence
             return
 
 
+class LookupAcceptance:
+    """This sequence's conditional acceptances of lookup drafts, per matched n-gram length, learned from what the
+    target commits after each match was offered (drafted or not): `offered` at propose, `learn` at the next one."""
+
+    def __init__(self, prior: tuple[float, float] = PRIOR_ACCEPTANCE):
+        self.prior = prior
+        self.reset()
+
+    def reset(self) -> None:
+        self.by_ngram: dict[int, list[float]] = {}  # matched n-gram length -> [a_1, a_2, ...] of this sequence
+        self._pending: tuple[int, list[int], int] | None = None  # (n, candidate, committed length) to learn from
+
+    def of(self, n: int, max_tokens: int) -> list[float]:
+        """[a_1, ..., a_max_tokens] for matches of n tokens (the prior where nothing was learned)."""
+        acceptance = self.by_ngram.setdefault(n, [self.prior[0]])
+        acceptance.extend([self.prior[1]] * (max_tokens - len(acceptance)))
+        return acceptance
+
+    def offered(self, n: int, candidate: torch.Tensor, committed_length: int) -> None:
+        self._pending = (n, candidate.tolist(), committed_length)
+
+    def learn(self, committed_ids: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        n, candidate, length = self._pending
+        self._pending = None
+        learn(self.by_ngram[n], candidate, committed_ids[length:].tolist(), LEARNING_RATE)
+
+
 class PromptLookupProposer:
     """n-gram matching in the context (prompt + generated tokens); with `step_costs`, a cost-aware draft length."""
 
@@ -95,11 +124,15 @@ class PromptLookupProposer:
         self.step_costs = list(step_costs) if step_costs is not None else None
         self.required_gain = required_gain
         self.prior = prior
-        self.reset(None, None)
+        self.learned = LookupAcceptance(prior)
+
+    @property
+    def acceptance(self) -> dict[int, list[float]]:
+        """Matched n-gram length -> this sequence's [a_1, a_2, ...]."""
+        return self.learned.by_ngram
 
     def reset(self, prompt_ids: torch.Tensor | None, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
-        self.acceptance: dict[int, list[float]] = {}  # matched n-gram length -> [a_1, a_2, ...] of this sequence
-        self._pending: tuple[int, list[int], int] | None = None  # (n, candidate, committed length) to learn from
+        self.learned.reset()
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         if max_tokens <= 0:
@@ -107,25 +140,11 @@ class PromptLookupProposer:
         n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
         k = candidate.numel()
         if self.step_costs is not None:
-            self._learn_from_last_step(committed_ids)
+            self.learned.learn(committed_ids)
             if n:
-                k = best_draft_length(self._acceptance(n, max_tokens), self.step_costs, k,
-                                      self.required_gain)
-                self._pending = (n, candidate.tolist(), committed_ids.numel())
+                k = best_draft_length(self.learned.of(n, max_tokens), self.step_costs, k, self.required_gain)
+                self.learned.offered(n, candidate, committed_ids.numel())
         return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
-
-    def _acceptance(self, n: int, max_tokens: int) -> list[float]:
-        """This sequence's [a_1, ..., a_max_tokens] for matches of n tokens (the prior where nothing was learned)."""
-        acceptance = self.acceptance.setdefault(n, [self.prior[0]])
-        acceptance.extend([self.prior[1]] * (max_tokens - len(acceptance)))
-        return acceptance
-
-    def _learn_from_last_step(self, committed_ids: torch.Tensor) -> None:
-        if self._pending is None:
-            return
-        n, candidate, length = self._pending
-        self._pending = None
-        learn(self.acceptance[n], candidate, committed_ids[length:].tolist(), LEARNING_RATE)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
