@@ -403,10 +403,12 @@ class StepCosts:
 
 
 def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
-                       kv_lengths: Sequence[int] = GUARD_KV_LENGTHS) -> StepCosts:
+                       first_kv_length: int = GUARD_KV_LENGTHS[0]) -> StepCosts:
     """Verify cost curves up to `max_tokens` query tokens (cached on disk) and, with `proposer`, its propose() time
-    at its own size, at each of `kv_lengths` that fits the target's context (a shorter context: its longest)."""
-    lengths = sorted({kv_length_within(target, kv, max_tokens) for kv in kv_lengths})
+    at its own size, at `first_kv_length` (the planner's) and the longer lengths of GUARD_KV_LENGTHS, each shortened
+    to fit the target's context."""
+    wanted = (first_kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > first_kv_length))
+    lengths = sorted({kv_length_within(target, kv, max_tokens) for kv in wanted})
     curves = [verify_cost_curve(target, kv_length=kv, max_tokens=max_tokens, repeats=7) for kv in lengths]
     draft = None
     if proposer is not None:

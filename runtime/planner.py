@@ -157,6 +157,12 @@ class Plan:
     def off(self) -> bool:
         return self.size == 0
 
+    @property
+    def chosen(self) -> dict[str, float]:
+        """The row of the chosen shape and size (plain decoding's row when off)."""
+        return next(row for row in self.rows if row["size"] == self.size
+                    and all(row.get(key) == value for key, value in self.shape.items()))
+
 
 def timing_grid(sizes: list[int]) -> list[int]:
     """The sizes at which draft time is measured (powers of two and the largest size; linear in between):

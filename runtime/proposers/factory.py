@@ -201,13 +201,12 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
     label = f"{family.kind}{' ' + _shape_text(plan.shape) if plan.shape else ''}, " \
             f"{'auto ' if fixed is None else ''}size {plan.size}"
     proposer = family.make(plan.shape, plan.size)
+    costs = None
     if options.allow_off:  # planned from held-out accuracy: checked against this sequence's acceptance as it runs
-        chosen = next(row for row in plan.rows[1:]
-                      if row["size"] == plan.size and all(row.get(k) == v for k, v in plan.shape.items()))
-        proposer, costs = guarded(proposer, target, plan.size, chosen["expected_tau"], options.cost_kv_length)
+        proposer, costs = guarded(proposer, target, plan.size, plan.chosen["expected_tau"], options.cost_kv_length)
         label += f", guarded (drafts while this sequence accepts at least a drafted step's cost in plain steps: " \
                  f"{costs.describe(plan.size + 1)})"
-    return HeadsProposer(proposer, config, plan.size, plan, label, notes, costs if options.allow_off else None)
+    return HeadsProposer(proposer, config, plan.size, plan, label, notes, costs)
 
 
 def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, options: HeadsOptions | None = None,
@@ -223,14 +222,11 @@ def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, 
     if target.mode == "plain" or built.size < 1:
         return built
     if built.plan is not None:
-        chosen = next(row for row in built.plan.rows[1:] if row["size"] == built.size
-                      and all(row.get(k) == v for k, v in built.plan.shape.items()))
-        expected_tau = float(chosen["expected_tau"])
+        expected_tau = float(built.plan.chosen["expected_tau"])
     else:  # a fixed size: the chain of its top-1 accuracies, or no promise at all (the probes will tell)
         table = accuracy_table(built.config)
         expected_tau = chain_expected_tau(need_table_column(table))(built.size) if table else 1.0
-    lengths = (options.cost_kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > options.cost_kv_length))
-    costs = measure_step_costs(target, built.size + 1 + max_lookup, built.proposer, lengths)
+    costs = measure_step_costs(target, built.size + 1 + max_lookup, built.proposer, options.cost_kv_length)
     proposer = HybridProposer(built.proposer, built.size, expected_tau, costs, max_lookup, max_ngram, min_ngram,
                               trees=target.mode == "tree")
     label = (f"hybrid: prompt lookup (up to {max_lookup} tokens) + {built.description} (expected tau "
@@ -244,8 +240,7 @@ def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
     """`proposer` under a PayingGuard whose break-even is its step's cost at the sequence's KV length (verify over
     size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
     at the longer lengths of GUARD_KV_LENGTHS."""
-    lengths = (kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > kv_length))
-    costs = measure_step_costs(target, size + 1, proposer, lengths)
+    costs = measure_step_costs(target, size + 1, proposer, kv_length)
     return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau), costs
 
 

@@ -43,6 +43,7 @@ from runtime.proposers.prompt_lookup import (
     REQUIRED_GAIN,
     LookupAcceptance,
     best_draft_length,
+    check_ngram_range,
     expected_tokens,
     lookup_match,
 )
@@ -109,8 +110,7 @@ class HybridProposer:
         if head_size < 1 or max_lookup < 1:
             raise ValueError(f"hybrid: need a head size >= 1 and --max_speculative_tokens >= 1, got {head_size}, "
                              f"{max_lookup}")
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        check_ngram_range(min_ngram, max_ngram)
         self.head, self.head_size, self.expected_tau, self.costs = head, head_size, expected_tau, costs
         self.max_lookup, self.max_ngram, self.min_ngram, self.required_gain = max_lookup, max_ngram, min_ngram, \
             required_gain

@@ -79,6 +79,11 @@ def learn(acceptance: list[float], candidate: Sequence[int], committed: Sequence
             return
 
 
+def check_ngram_range(min_ngram: int, max_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+
+
 class LookupAcceptance:
     """This sequence's conditional acceptances of lookup drafts, per matched n-gram length, learned from what the
     target commits after each match was offered (drafted or not): `offered` at propose, `learn` at the next one."""
@@ -115,8 +120,7 @@ class PromptLookupProposer:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | None = None,
                  required_gain: float = REQUIRED_GAIN, prior: tuple[float, float] = PRIOR_ACCEPTANCE):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"--min_ngram/--max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        check_ngram_range(min_ngram, max_ngram)
         if step_costs is not None and (len(step_costs) < 2 or step_costs[0] <= 0):
             raise ValueError(f"step_costs: expected relative verify costs for 1, 2, ... tokens, got {step_costs}")
         self.max_ngram = max_ngram
