@@ -67,7 +67,7 @@ from data.runfiles import (
 )
 from heads.cli import run_cli
 from heads.files import atomic_write_json
-from heads.loading import describe_dtype, load_model, load_tokenizer, model_path, resolve_dtype
+from heads.loading import describe_dtype, dtype_name, load_model, load_tokenizer, model_path, resolve_dtype
 
 ENGINES = ("hf", "vllm", "server")
 MANIFEST = "manifest.json"
@@ -362,7 +362,7 @@ def load_target(config: DistillConfig, device) -> Target:
     """hf: the loaded model; vllm / server: only its configs (the engine loads or serves the weights)."""
     if config.engine == "hf":
         model = load_model(config.model, dtype=config.dtype, device=device, revision=config.revision)
-        return Target(model.config, model.generation_config, str(model.dtype).removeprefix("torch."), model)
+        return Target(model.config, model.generation_config, dtype_name(model.dtype), model)
     path = model_path(config.model)
     model_config = AutoConfig.from_pretrained(path, revision=config.revision)
     try:

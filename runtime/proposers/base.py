@@ -1,6 +1,6 @@
 """The proposer contract: every drafter (draft model, prompt lookup, Medusa, EAGLE, MTP) implements it.
 
-The decode loop (runtime/generate.py) calls, once per step:
+The decode loop (runtime/loop.py) calls, once per step:
     draft = proposer.propose(state)          # candidate tree rooted at the last committed token
     ... verify + accept ...
     proposer.on_accept(state, draft, acceptance, target_hidden)
