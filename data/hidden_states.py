@@ -35,8 +35,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.distill import tokenizer_hash
 from data.runfiles import check_run_identity, parse_config, process_state
+from data.shards import tokenizer_hash
 from heads.cli import run_cli
 from heads.files import atomic_write_json
 from heads.loading import describe_dtype, load_model, load_tokenizer, parse_dtype

@@ -40,15 +40,18 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from data.chat_format import ChatFormat, TokenizedConversation, chat_format, highlight, tokenize_conversation
-from data.distill import MANIFEST, DistillConfig, merge_shards, shard_path, tokenizer_hash, write_shard
 from data.prompts import Conversation, read_numbered_conversations
 from data.runfiles import check_run_identity
+from data.shards import MANIFEST, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.loading import load_tokenizer, model_path
+
+if TYPE_CHECKING:  # annotations only: data.distill runs this module for --mode teacher_forced
+    from data.distill import DistillConfig
 
 FORMAT_VERSION = 1
 EVAL_DIR = "eval"

@@ -4,11 +4,11 @@ model loader (`heads.loading`)."""
 from heads.base import DraftOutput, HeadsModule, TargetModules, target_modules
 from heads.checkpoint import build_heads, check_compatible, load_heads, push_to_hub, save_heads
 from heads.config import FORMAT_VERSION, HeadsConfig
+from heads.draft_vocab import build_vocab_mapping, count_tokens
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.layers import DecoderLayer, LayerKV, causal_mask
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
-from heads.vocab import build_vocab_mapping, count_tokens
 
 __all__ = ["FORMAT_VERSION", "DecoderLayer", "DraftOutput", "Eagle3Draft", "EagleDraft", "HeadsConfig",
            "HeadsModule", "LayerKV", "MTPHeads", "MedusaHeads", "TargetModules", "build_heads",

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from heads.config import HeadsConfig
+from heads.checkpoint import load_heads, push_to_hub, save_heads
+from heads.config import HEAD_CLASSES, KINDS, HeadsConfig
+from heads.draft_vocab import validate_vocab_mapping
 from heads.layers import LayerKV
-from heads.vocab import validate_vocab_mapping
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,15 @@ class DraftOutput:
 class HeadsModule(nn.Module):
     """Base class: holds `config` and gives every head `save_pretrained` / `from_pretrained` / `push_to_hub`."""
 
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        """`class MedusaHeads(HeadsModule, kind="medusa")` registers the class for its kind (heads.checkpoint
+        builds heads by kind through heads.config.HEAD_CLASSES)."""
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            if kind not in KINDS:
+                raise ValueError(f"{cls.__name__}: kind {kind!r} is not one of {KINDS}")
+            HEAD_CLASSES[kind] = cls
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
@@ -64,7 +74,7 @@ class HeadsModule(nn.Module):
         self.register_buffer("t2d", t2d.clone(), persistent=persistent)
 
     def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
-        """Install the draft vocabulary d2t int64 [Vd] / t2d bool [V] (heads.vocab.build_vocab_mapping); validated.
+        """Install the draft vocabulary d2t int64 [Vd] / t2d bool [V] (heads.draft_vocab.build_vocab_mapping); validated.
 
         EAGLE-3: Vd is fixed by its own reduced `lm_head` (config.draft_vocab_size). Medusa, EAGLE-1/2 and MTP
         draft through full-vocabulary projections, so any Vd works: only the drafting logits are restricted to
@@ -92,14 +102,10 @@ class HeadsModule(nn.Module):
         return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
     def save_pretrained(self, directory: str | Path) -> Path:
-        from heads.checkpoint import save_heads
-
         return save_heads(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory_or_repo: str | Path, target: Any = None, **kwargs: Any) -> HeadsModule:
-        from heads.checkpoint import load_heads
-
         heads = load_heads(directory_or_repo, target=target, **kwargs)
         if not isinstance(heads, cls):
             raise ValueError(f"{directory_or_repo}: holds a {heads.config.kind!r} head "
@@ -107,6 +113,4 @@ class HeadsModule(nn.Module):
         return heads
 
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
-        from heads.checkpoint import push_to_hub
-
         return push_to_hub(self, repo_id, **kwargs)

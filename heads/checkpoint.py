@@ -8,7 +8,7 @@ A head directory holds exactly three files:
   for the other kinds. Only the head's own weights: never the target's embedding or LM head.
 - `README.md`: the model card (base model, method, training data, measured acceptance from `metrics`).
 
-plus, for Medusa / EAGLE-1/2 / MTP heads given a reduced draft vocabulary (heads.vocab), `draft_vocab.safetensors`
+plus, for Medusa / EAGLE-1/2 / MTP heads given a reduced draft vocabulary (heads.draft_vocab), `draft_vocab.safetensors`
 with EAGLE-3's `d2t` / `t2d` tensors: used by our runtime for drafting only, kept out of the weights file so the
 engines load the weights as before (they draft over the full vocabulary). EAGLE-3 keeps d2t/t2d in its weights.
 
@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from huggingface_hub import HfApi
@@ -32,18 +32,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from heads.base import HeadsModule
-from heads.config import HeadsConfig
-from heads.eagle import Eagle3Draft, EagleDraft
-from heads.medusa import MedusaHeads
-from heads.mtp import MTPHeads
-from heads.vocab import validate_vocab_mapping
+from heads.config import HEAD_CLASSES, HeadsConfig
+from heads.draft_vocab import validate_vocab_mapping
+
+if TYPE_CHECKING:  # annotations only: heads.base imports this module for save_pretrained / from_pretrained
+    from heads.base import HeadsModule
 
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
-MODULES: dict[str, type[HeadsModule]] = {"medusa": MedusaHeads, "eagle": EagleDraft, "eagle3": Eagle3Draft,
-                                         "mtp": MTPHeads}
 
 
 def weights_file(kind: str) -> str:
@@ -53,7 +50,7 @@ def weights_file(kind: str) -> str:
 
 def build_heads(config: HeadsConfig) -> HeadsModule:
     """A freshly initialised head module of `config.kind`."""
-    return MODULES[config.kind](config)
+    return HEAD_CLASSES[config.kind](config)
 
 
 # ---- tensor names on disk ------------------------------------------------------------------------------
@@ -190,7 +187,7 @@ def save_heads(heads: HeadsModule, directory: str | Path) -> Path:
     config = heads.config
     config.dtype = _tensor_dtype(heads)
     separate_vocab = config.kind != "eagle3" and heads.has_draft_vocab
-    if isinstance(heads, Eagle3Draft) or separate_vocab:
+    if config.kind == "eagle3" or separate_vocab:
         validate_vocab_mapping(heads.d2t.cpu(), heads.t2d.cpu(), config.vocab_size, config.draft_vocab_size,
                                "save_heads")
     tensors = {name: t.detach().to("cpu").contiguous().clone()

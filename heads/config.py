@@ -17,6 +17,8 @@ from typing import Any
 
 FORMAT_VERSION = 1
 KINDS = ("medusa", "eagle", "eagle3", "mtp")
+# kind -> head module class, filled as each class is defined (heads.base.HeadsModule.__init_subclass__)
+HEAD_CLASSES: dict[str, type] = {}
 
 
 def default_target_layers(kind: str, num_hidden_layers: int) -> list[int]:
@@ -79,7 +81,7 @@ class HeadsConfig:
     # EAGLE-1/2: vLLM's loader has no fc bias, SGLang's and the EAGLE reference's always have one (the SGLang /
     # reference exports write zeros), so bias-free heads export everywhere.
     eagle_fc_bias: bool = False
-    # Draft vocabulary (heads.vocab): EAGLE-3's lm_head rows (0 -> vocab_size); Medusa/EAGLE-1/2/MTP: 0 = draft
+    # Draft vocabulary (heads.draft_vocab): EAGLE-3's lm_head rows (0 -> vocab_size); Medusa/EAGLE-1/2/MTP: 0 = draft
     # over the full target vocabulary, else the size of the d2t/t2d saved in draft_vocab.safetensors
     draft_vocab_size: int = 0
     # MTP

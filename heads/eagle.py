@@ -26,11 +26,11 @@ from torch import Tensor, nn
 
 from heads.base import DraftOutput, HeadsModule
 from heads.config import HeadsConfig
+from heads.draft_vocab import draft_logits_to_target, draft_to_target_ids
 from heads.layers import DecoderLayer, LayerKV, RMSNorm
-from heads.vocab import draft_logits_to_target, draft_to_target_ids
 
 
-class EagleDraft(HeadsModule):
+class EagleDraft(HeadsModule, kind="eagle"):
     """EAGLE-1/2 draft: `fc` + `layers.0` (EAGLE reference names)."""
 
     def __init__(self, config: HeadsConfig) -> None:
@@ -55,7 +55,7 @@ class EagleDraft(HeadsModule):
         return lm_head(hidden_states)
 
 
-class Eagle3Draft(HeadsModule):
+class Eagle3Draft(HeadsModule, kind="eagle3"):
     """EAGLE-3 draft: `fc`, `midlayer`, `norm`, `lm_head` (reduced vocab) and buffers `d2t`, `t2d`."""
 
     def __init__(self, config: HeadsConfig) -> None:

@@ -42,7 +42,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(HeadsModule):
+class MedusaHeads(HeadsModule, kind="medusa"):
     """K Medusa heads. `heads[h]` = Sequential(ResBlock x L[, Linear(H, V)])."""
 
     def __init__(self, config: HeadsConfig) -> None:

@@ -32,7 +32,7 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
 
 
-class MTPHeads(HeadsModule):
+class MTPHeads(HeadsModule, kind="mtp"):
     """`mtp_num_depths` MTP modules sharing the target's embedding and LM head."""
 
     def __init__(self, config: HeadsConfig) -> None:

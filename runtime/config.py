@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from heads.loading import describe_dtype
 from runtime.sampling import SamplingConfig
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
@@ -73,6 +75,62 @@ class DecodeConfig:
             raise ValueError(f"--acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
 
 
+EAGLE_TREES = ("dynamic", "static")
+
+
+AUTO_DEPTHS = (2, 3, 4, 5, 6)
+AUTO_TOP_KS = (2, 4, 8)
+
+
+def _int_or_auto(value: str | int, flag: str, grid: tuple[int, ...]) -> list[int]:
+    if str(value) == "auto":
+        return list(grid)
+    if not re.fullmatch(r"\d+", str(value)) or int(value) < 1:
+        raise ValueError(f"{flag} must be 'auto' or an int >= 1, got {value!r}")
+    return [int(value)]
+
+
+@dataclass(frozen=True)
+class HeadsOptions:
+    """How to draft with trained heads (flat; the CLIs expose each field as a flag)."""
+
+    tree_size: str = "auto"  # "auto" or an int (Medusa nodes / EAGLE-2 total_tokens / chain length)
+    tree: str = ""  # static tree YAML (Medusa; EAGLE with eagle_tree="static"); fixes the size
+    eagle_tree: str = "dynamic"  # EAGLE/EAGLE-3: "dynamic" (EAGLE-2) or "static" (EAGLE-1: --tree or a chain)
+    tree_depth: str = "5"  # EAGLE-2 expansion depth, or "auto" (tried: 2..6)
+    tree_top_k: str = "8"  # EAGLE-2 children per expanded node and nodes per level, or "auto" (2, 4, 8)
+    max_tree_size: int = 64  # largest size `auto` considers
+    cost_kv_length: int = 256  # context length at which the verify cost is measured
+    allow_off: bool = True  # auto may turn speculation off when plain decoding is predicted faster
+
+    def __post_init__(self) -> None:
+        if self.eagle_tree not in EAGLE_TREES:
+            raise ValueError(f"--eagle_tree must be one of {EAGLE_TREES}, got {self.eagle_tree!r}")
+        if self.fixed_size is not None and self.fixed_size < 1:
+            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
+        if self.max_tree_size < 1:
+            raise ValueError(f"--max_tree_size must be >= 1, got {self.max_tree_size}")
+        self.depth_grid()
+        self.top_k_grid()
+
+    def depth_grid(self) -> list[int]:
+        """--tree_depth N -> [N]; auto -> the depths the auto choice tries."""
+        return _int_or_auto(self.tree_depth, "--tree_depth", AUTO_DEPTHS)
+
+    def top_k_grid(self) -> list[int]:
+        """--tree_top_k K -> [K]; auto -> the top_k values the auto choice tries."""
+        return _int_or_auto(self.tree_top_k, "--tree_top_k", AUTO_TOP_KS)
+
+    @property
+    def fixed_size(self) -> int | None:
+        """None for 'auto', else the int size (ValueError naming --tree_size for anything else)."""
+        if str(self.tree_size) == "auto":
+            return None
+        if not re.fullmatch(r"\d+", str(self.tree_size)):
+            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
+        return int(self.tree_size)
+
+
 @dataclass
 class GenerateArguments:
     """Flags of `python -m runtime.generate` (flat; parsed with transformers.HfArgumentParser)."""
@@ -137,8 +195,6 @@ class GenerateArguments:
 
     def dtype_line(self, dtype: torch.dtype) -> str:
         """The one line printed once the target is loaded: which dtype runs and why (--exact says what it overrides)."""
-        from heads.loading import describe_dtype
-
         line = describe_dtype(dtype, self.model_dtype(), self.device)
         if self.exact:
             overridden = f"; overrides --dtype {self.dtype}" if self.dtype not in ("float32", "fp32") else ""
@@ -199,10 +255,8 @@ class GenerateArguments:
             raise ValueError(f"--method {self.method} needs --heads DIR_OR_HUB_ID")
         return self.method
 
-    def heads_options(self):
-        """The --tree_* flags as runtime.proposers.factory.HeadsOptions."""
-        from runtime.proposers.factory import HeadsOptions
-
+    def heads_options(self) -> HeadsOptions:
+        """The --tree_* flags as HeadsOptions."""
         return HeadsOptions(tree_size=self.tree_size, tree=self.tree, eagle_tree=self.eagle_tree,
                             tree_depth=self.tree_depth, tree_top_k=self.tree_top_k, max_tree_size=self.max_tree_size)
 

@@ -14,25 +14,18 @@ tokens (root + n nodes) at a given KV length, measured here, and t_draft(n) the 
 Measured curves are cached per (model, device, dtype, KV length, threads) as JSON under
 `$SPECHEADS_CACHE/cost_curves/` (default ~/.cache/specheads), so a run measures them once.
 
-Standalone curve (any HF causal LM, or a random-weight Llama-3-8B-shaped model built on the device, no
-download; timing does not depend on the weights):
-
-    python -m runtime.cost_model --model ../shared/models/smollm2-135m-instruct --kv_length 256 --max_tokens 64
-    python -m runtime.cost_model --random_llama3_8b --device cuda --dtype bfloat16 --kv_length 1024 \\
-        --max_tokens 256 --output outputs/bench/verify_cost_llama3_8b.json --plot outputs/bench/verify_cost.png
+A standalone curve of any model on this device: `python -m bench.cost_curve` (bench/cost_curve.py).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -40,8 +33,15 @@ import torch
 from heads import cache
 from heads.files import atomic_write_json
 from heads.loading import dtype_name
-from runtime.layout import LAYOUT_HELP
+from runtime.layout import model_fingerprint
 from runtime.target import TargetModel
+from runtime.timing import (
+    device_name,
+    kv_length_within,
+    measure_curve,
+    measurement_tree,
+    target_verify_forward,
+)
 from runtime.tree import Tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -102,83 +102,6 @@ def isotonic(values: Sequence[float]) -> list[float]:
     return [m for m, w in blocks for _ in range(int(w))]
 
 
-def measure_curve(run_forward: Callable[[int], None], tokens: Sequence[int], repeats: int = 5,
-                  warmup: int = 2, synchronize: Callable[[], None] | None = None) -> list[float]:
-    """Median wall time of `run_forward(q)` for each q in `tokens` (after `warmup` untimed calls each).
-
-    Sizes are interleaved across repeats so slow drifts of a shared machine hit every size alike.
-    """
-    sync = synchronize or (lambda: None)
-    for q in tokens:
-        for _ in range(warmup):
-            run_forward(q)
-    sync()
-    samples: dict[int, list[float]] = {q: [] for q in tokens}
-    for _ in range(repeats):
-        for q in tokens:
-            sync()
-            start = time.perf_counter()
-            run_forward(q)
-            sync()
-            samples[q].append(time.perf_counter() - start)
-    return [statistics.median(samples[q]) for q in tokens]
-
-
-def _measurement_tree(num_tokens: int) -> Tree:
-    """A bushy tree of `num_tokens` nodes (binary heap shape); cost does not depend on the shape."""
-    return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, num_tokens)])
-
-
-def kv_length_within(target: TargetModel, kv_length: int, tokens: int) -> int:
-    """`kv_length`, shortened so that it plus `tokens` verified tokens fits the target's context."""
-    if target.max_positions is None:
-        return kv_length
-    return max(1, min(kv_length, target.max_positions - tokens))
-
-
-def target_verify_forward(target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...] = (),
-                          seed: int = 0) -> Callable[[int], None]:
-    """A `run_forward(q)` doing one verify forward of q tree tokens through the runtime's target adapter.
-
-    A random `kv_length`-token prefix is prefilled once; each call forwards q tree nodes (tree mask, positions
-    prefix_len + depth, logits at every node, the requested hidden states) exactly as the decode loop's
-    verify does, then drops them again (`commit([])`).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    target.prefill(torch.randint(target.vocab_size, (max(kv_length, 1),), generator=gen))
-    trees: dict[int, tuple[torch.Tensor, Tree]] = {}
-
-    def run(q: int) -> None:
-        if q not in trees:
-            tree = _measurement_tree(q) if target.mode == "tree" else Tree.chain(q - 1)  # chain-mode targets
-            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), tree)
-        tokens, tree = trees[q]
-        target.forward(tokens, tree, hidden_state_indices=hidden_state_indices)
-        target.commit([])
-
-    return run
-
-
-def device_name(device: torch.device | str) -> str:
-    """'NVIDIA H200' / 'cpu-1threads' (CPU timings depend on the thread count)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type}-{torch.get_num_threads()}threads"
-
-
-def model_fingerprint(model) -> str:
-    """name_or_path plus a hash of the config: two models with the same shapes cost the same; '-transposed' when
-    the Linear weights are stored transposed, '-rows+packed' / '-transposed+packed3' with a packed copy
-    (runtime.layout): the layout changes the kernels and so the cost."""
-    from runtime.layout import layout_of
-
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
-    name = Path(str(getattr(model.config, "_name_or_path", "") or model.config.model_type)).name
-    layout = layout_of(model)
-    return f"{name}-{digest}" + ("" if layout == "rows" else f"-{layout}")
-
-
 def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1) -> Path:
     rows_key = "" if rows == 1 else f"__rows{rows}"
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}{rows_key}")
@@ -208,7 +131,7 @@ def rows_verify_forward(target: TargetModel, rows: int, kv_length: int, seed: in
 
     def run(q: int) -> None:
         if q not in trees:
-            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), _measurement_tree(q))
+            trees[q] = (torch.randint(target.vocab_size, (q,), generator=gen), measurement_tree(q))
         tokens, tree = trees[q]
         target.forward_rows([tokens] * rows, [tree] * rows)
         target.commit_rows([[] for _ in range(rows)])
@@ -415,107 +338,3 @@ def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
     if proposer is not None:
         draft = [DraftTimer(target, kv, tuple(proposer.hidden_state_indices)).seconds(proposer) for kv in lengths]
     return StepCosts(lengths, curves, draft)
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-
-@dataclass
-class CostModelArgs:
-    """Flags of `python -m runtime.cost_model`."""
-
-    model: str = field(default="", metadata={"help": "target (Hub id, directory or GGUF); or --random_llama3_8b"})
-    random_llama3_8b: bool = field(default=False, metadata={
-        "help": "build a random-weight Llama-3-8B-shaped model on --device (no download)"})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    weight_layout: str = field(default="auto", metadata={"help": LAYOUT_HELP})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where fast, float32 elsewhere) / float32 / "
-                                                "bfloat16 / float16; curves are cached per dtype"})
-    kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})
-    max_tokens: int = field(default=256, metadata={"help": "largest verify size (root + tree nodes)"})
-    repeats: int = field(default=7, metadata={"help": "timed repeats per size (median reported)"})
-    accuracy: str = field(default="configs/trees/medusa_default_32.yaml", metadata={
-        "help": "tree file whose 'accuracy' table gives E[tau(n)] for the auto choice printed at the end"})
-    output: str = field(default="", metadata={"help": "JSON file for the curve and the auto choice"})
-    plot: str = field(default="", metadata={"help": "PNG of time and relative cost vs tree tokens"})
-    no_cache: bool = field(default=False, metadata={"help": "measure even if a cached curve exists"})
-    num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
-
-
-def random_llama3_8b(device: str, dtype: torch.dtype):
-    """Llama-3-8B shapes (32 layers, hidden 4096, GQA 32/8, FFN 14336, vocab 128256) with random weights,
-    initialised directly on `device` (~16 GB in bf16)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    config._name_or_path = "random-llama3-8b-shape"
-    with torch.device(device):  # weights are initialised on the device itself: no host copy, no download
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def _plot(curve: CostCurve, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o", linestyle="", label="median")
-    ax[0].plot(curve.tokens, [s * 1000 for s in curve.fitted], label="isotonic fit")
-    ax[0].legend()
-    ax[0].set(xlabel="tree tokens per verify forward", ylabel="ms (median)", xscale="log",
-              title=f"{curve.model}\n{curve.device}, {curve.dtype}, KV {curve.kv_length}")
-    ax[1].plot(curve.tokens, curve.relative(), marker="o")
-    ax[1].set(xlabel="tree tokens per verify forward", ylabel="cost / 1-token forward", xscale="log")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from heads.cli import parse_flags
-    from heads.loading import describe_dtype, load_model, resolve_dtype
-    from runtime.planner import choose_tree_size
-    from runtime.tree_search import expected_accepted_lengths
-
-    args = parse_flags(CostModelArgs, argv)
-    torch.set_num_threads(args.num_threads)
-    if args.random_llama3_8b == bool(args.model):
-        raise ValueError("pass exactly one of --model or --random_llama3_8b")
-    if args.random_llama3_8b:
-        model = random_llama3_8b(args.device, resolve_dtype(args.dtype, args.device))
-    else:
-        model = load_model(args.model, dtype=args.dtype, device=args.device)
-    print(describe_dtype(model.dtype, args.dtype, args.device), file=sys.stderr)
-    from runtime.layout import choose_layout
-
-    target = TargetModel(model)
-    choose_layout(target, args.weight_layout, use_cache=not args.no_cache)
-    curve = verify_cost_curve(target, args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
-    result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
-    print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
-    for q, s, f, r in zip(curve.tokens, curve.seconds, curve.fitted, result["relative"], strict=True):
-        print(f"  {q:4d} tokens  median {s * 1000:9.3f} ms  fitted {f * 1000:9.3f} ms  x{r:5.2f}")
-    if args.accuracy:
-        import yaml
-
-        table = yaml.safe_load(Path(args.accuracy).read_text())["accuracy"]
-        taus = expected_accepted_lengths(table, args.max_tokens - 1)
-        choice = choose_tree_size(range(len(taus)), lambda n: taus[n], curve.seconds_at)
-        best = choice.rows[choice.size]
-        print(f"auto tree size (Medusa table of {args.accuracy}): {choice.size} nodes, E[tau] "
-              f"{best['expected_tau']:.2f}, {best['tokens_per_second']:.1f} tokens/s expected "
-              f"(plain: {1 / curve.seconds_at(1):.1f})")
-        result["auto"] = {"accuracy_table": args.accuracy, "size": choice.size, "rows": choice.rows}
-    if args.output:
-        atomic_write_json(args.output, result, indent=1)
-    if args.plot:
-        _plot(curve, args.plot)
-
-
-if __name__ == "__main__":
-    from heads.cli import run_cli
-
-    run_cli(main)

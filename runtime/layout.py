@@ -32,11 +32,12 @@ summed over them and not slower (by more than 5%) at 1 token: plain decoding run
 3 / 4 / 8 tokens 65 / 92 / 105 / 115 / 133 ms transposed+packed3, 53 / 62 / 71 / 75 / 95 ms transposed+panels).
 CUDA and models under 10M parameters (weights that sit in cache, where the layout does not matter) stay `rows`
 without measuring. Cost curves are keyed by the layout
-(runtime.cost_model.model_fingerprint).
+(runtime.layout.model_fingerprint).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import statistics
@@ -52,6 +53,7 @@ from heads import cache
 from heads.files import atomic_write_json
 from heads.loading import dtype_name
 from runtime import kernels
+from runtime.timing import device_name, kv_length_within, measure_curve, target_verify_forward
 
 LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "rows+panels", "transposed+panels",
            "rows+panels_bf16", "transposed+panels_bf16")
@@ -300,8 +302,6 @@ def measure_verify(target, layouts: list[str], sizes: tuple[int, ...], kv_length
                    repeats: int = 5) -> dict[str, list[float]]:
     """Median seconds of a forward over each of `sizes` tokens in each layout (interleaved rounds); leaves the model
     in layouts[0]. Empty when one of the layouts cannot be set on this model (oneDNN or the kernel refuses)."""
-    from runtime.cost_model import kv_length_within, measure_curve, target_verify_forward
-
     run = target_verify_forward(target, kv_length_within(target, kv_length, max(sizes)))
     samples: dict[str, list[list[float]]] = {layout: [] for layout in layouts}
     try:
@@ -360,8 +360,6 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
     if device.type != "cpu" or sum(p.numel() for p in model.parameters()) < MIN_PARAMETERS:
         set_layout(model, "rows")
         return "rows"
-    from runtime.cost_model import device_name, model_fingerprint
-
     set_layout(model, "rows")
     path = _cache_path(model_fingerprint(model), device_name(device), dtype_name(model.dtype))
     with cache.lock(path) if use_cache else nullcontext():  # one process measures, the others read its record
@@ -409,3 +407,13 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
 
 def _ms(seconds: list[float]) -> str:
     return "/".join(f"{t * 1e3:.0f}" for t in seconds)
+
+
+def model_fingerprint(model) -> str:
+    """name_or_path plus a hash of the config: two models with the same shapes cost the same; '-transposed' when
+    the Linear weights are stored transposed, '-rows+packed' / '-transposed+packed3' with a packed copy
+    (runtime.layout): the layout changes the kernels and so the cost."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    name = Path(str(getattr(model.config, "_name_or_path", "") or model.config.model_type)).name
+    layout = layout_of(model)
+    return f"{name}-{digest}" + ("" if layout == "rows" else f"-{layout}")

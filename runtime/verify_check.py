@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from heads import cache
 from heads.files import atomic_write_json
 from heads.loading import dtype_name
+from runtime.layout import check_layout, choose_layout
 from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
 from runtime.tree import Tree
 
@@ -287,8 +288,6 @@ def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: boo
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
     the chosen mode, its weights in `layout` (runtime.layout: auto measures which is faster on this CPU); a
     refused model raises TargetError naming the model class and why."""
-    from runtime.layout import check_layout, choose_layout
-
     check_layout(layout, "--weight_layout" if flag == "--model" else f"{flag} weight layout")
     result = verify_check(model, use_cache)
     if result.mode == "refused":  # the error line is the verdict

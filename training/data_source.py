@@ -10,6 +10,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from data.hidden_states import HiddenStateShards, feature_name
+from data.shards import MANIFEST, tokenizer_hash
+from heads.loading import load_tokenizer, model_path
 from training.config import TrainConfig
 
 
@@ -35,8 +38,6 @@ def pad_token_id(target: nn.Module) -> int:
 
 def same_model(recorded: str | None, recorded_path: str | None, model: str) -> bool:
     """Whether data recorded as made by `recorded` (resolved checkpoint `recorded_path`) comes from `model`."""
-    from heads.loading import model_path
-
     if recorded is None:
         return False
     if recorded == model:
@@ -54,9 +55,6 @@ def check_manifest(config: TrainConfig) -> dict[str, Any]:
     --allow_other_model another model's answers are accepted, but the tokenizer must still be the same
     (token ids must mean the same thing).
     """
-    from data.distill import MANIFEST, tokenizer_hash
-    from heads.loading import load_tokenizer
-
     path = Path(config.dataset) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"--dataset {config.dataset}: no {MANIFEST}; not a finished distilled dataset "
@@ -113,16 +111,12 @@ class OfflineFeatures:
         self.layers: list[int] = list(shards.layers)
 
     def __call__(self, row: int) -> dict[str, Tensor]:
-        from data.hidden_states import feature_name
-
         return {feature_name(layer): tensor for layer, tensor in self.shards[row].items()}
 
 
 def offline_features(config: TrainConfig, num_rows: int, held_out: bool = False) -> OfflineFeatures:
     """Open --features (--eval_features when held_out) and check it was computed by --model on --dataset
     (--eval_dataset), all rows."""
-    from data.hidden_states import HiddenStateShards
-
     flag, dataset_flag = ("--eval_features", "--eval_dataset") if held_out else ("--features", "--dataset")
     directory, dataset = (config.eval_features, config.eval_dataset) if held_out else (config.features, config.dataset)
     shards = HiddenStateShards(directory)

@@ -19,16 +19,16 @@ from data.hidden_states import feature_name
 from heads.base import HeadsModule, TargetModules, target_modules
 from heads.checkpoint import build_heads, load_heads
 from heads.config import HeadsConfig
-from heads.eagle import Eagle3Draft, EagleDraft
-from heads.medusa import MedusaHeads, shared_lm_head_rows
-from heads.mtp import MTPHeads
-from heads.vocab import (
+from heads.draft_vocab import (
     build_vocab_mapping,
     count_tokens,
     draft_target_ids,
     draft_to_target_ids,
     target_to_draft_ids,
 )
+from heads.eagle import Eagle3Draft, EagleDraft
+from heads.medusa import MedusaHeads, shared_lm_head_rows
+from heads.mtp import MTPHeads
 from training.config import TrainConfig, eagle3_layers
 from training.losses import (
     DepthStats,
@@ -409,7 +409,7 @@ def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Call
     heads = build_heads(heads_config(config, target))
     if isinstance(heads, MedusaHeads) and not heads.config.medusa_shared_lm_head:
         heads.init_from_lm_head(target_modules(target).lm_head.weight.detach().float())
-    # EAGLE-3's lm_head rows; the other kinds draft over these rows of their full projections (heads.vocab).
+    # EAGLE-3's lm_head rows; the other kinds draft over these rows of their full projections (heads.draft_vocab).
     size = heads.config.draft_vocab_size if isinstance(heads, Eagle3Draft) else config.draft_vocab_size
     if isinstance(heads, Eagle3Draft) or 0 < size < heads.config.vocab_size:
         counts = count_tokens(assistant_tokens(), heads.config.vocab_size)

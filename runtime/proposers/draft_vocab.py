@@ -1,7 +1,7 @@
 """The vocabulary a head proposer drafts over: the whole target vocabulary, or the heads' draft vocabulary.
 
 On a small target the drafter's vocabulary projection, not its layers, is the cost (SmolLM2-135M: 49,152 LM-head
-rows per drafted level cost about one target decode step). Heads with a draft vocabulary (heads.vocab: EAGLE-3's
+rows per drafted level cost about one target decode step). Heads with a draft vocabulary (heads.draft_vocab: EAGLE-3's
 built-in `d2t`, or one given to Medusa / EAGLE-1/2 / MTP heads) draft over its Vd most frequent target ids only:
 the projection rows of those ids are gathered ONCE here (a [Vd, H] matrix), top-k is taken over draft ids and
 mapped to target ids, and sampled rows q are put back on the target vocabulary with zeros outside it. Still
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import HeadsModule
-from heads.vocab import draft_logits_to_target, draft_target_ids, draft_to_target_ids
+from heads.draft_vocab import draft_logits_to_target, draft_target_ids, draft_to_target_ids
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class DraftVocab:
     """Draft ids <-> target ids. `d2t` None: the full target vocabulary (draft id == target id)."""
 
     vocab_size: int  # V, the target's vocabulary
-    d2t: Tensor | None = None  # [Vd] int64 (heads.vocab layout)
+    d2t: Tensor | None = None  # [Vd] int64 (heads.draft_vocab layout)
 
     @staticmethod
     def of(heads: HeadsModule, vocab_size: int) -> DraftVocab:

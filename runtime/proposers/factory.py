@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from heads.checkpoint import load_heads
+from heads.checkpoint import check_compatible, load_heads
 from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
+from runtime.config import HeadsOptions
 from runtime.cost_model import GUARD_KV_LENGTHS, StepCosts, chain_expected_tau, measure_step_costs
 from runtime.layout import match_panels
 from runtime.planner import DrafterFamily, DraftProfile, Plan, plan_drafter
@@ -46,61 +47,8 @@ from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 from runtime.tree_search import StaticTree, expected_accepted_lengths, grow_tree, load_tree_file, static_tree
 
-EAGLE_TREES = ("dynamic", "static")
 DEFAULT_TREE_TABLE = Path(__file__).resolve().parents[2] / "configs" / "trees" / "medusa_default_64.yaml"
 
-
-AUTO_DEPTHS = (2, 3, 4, 5, 6)
-AUTO_TOP_KS = (2, 4, 8)
-
-
-def _int_or_auto(value: str | int, flag: str, grid: tuple[int, ...]) -> list[int]:
-    if str(value) == "auto":
-        return list(grid)
-    if not re.fullmatch(r"\d+", str(value)) or int(value) < 1:
-        raise ValueError(f"{flag} must be 'auto' or an int >= 1, got {value!r}")
-    return [int(value)]
-
-
-@dataclass(frozen=True)
-class HeadsOptions:
-    """How to draft with trained heads (flat; the CLIs expose each field as a flag)."""
-
-    tree_size: str = "auto"  # "auto" or an int (Medusa nodes / EAGLE-2 total_tokens / chain length)
-    tree: str = ""  # static tree YAML (Medusa; EAGLE with eagle_tree="static"); fixes the size
-    eagle_tree: str = "dynamic"  # EAGLE/EAGLE-3: "dynamic" (EAGLE-2) or "static" (EAGLE-1: --tree or a chain)
-    tree_depth: str = "5"  # EAGLE-2 expansion depth, or "auto" (tried: 2..6)
-    tree_top_k: str = "8"  # EAGLE-2 children per expanded node and nodes per level, or "auto" (2, 4, 8)
-    max_tree_size: int = 64  # largest size `auto` considers
-    cost_kv_length: int = 256  # context length at which the verify cost is measured
-    allow_off: bool = True  # auto may turn speculation off when plain decoding is predicted faster
-
-    def __post_init__(self) -> None:
-        if self.eagle_tree not in EAGLE_TREES:
-            raise ValueError(f"--eagle_tree must be one of {EAGLE_TREES}, got {self.eagle_tree!r}")
-        if self.fixed_size is not None and self.fixed_size < 1:
-            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
-        if self.max_tree_size < 1:
-            raise ValueError(f"--max_tree_size must be >= 1, got {self.max_tree_size}")
-        self.depth_grid()
-        self.top_k_grid()
-
-    def depth_grid(self) -> list[int]:
-        """--tree_depth N -> [N]; auto -> the depths the auto choice tries."""
-        return _int_or_auto(self.tree_depth, "--tree_depth", AUTO_DEPTHS)
-
-    def top_k_grid(self) -> list[int]:
-        """--tree_top_k K -> [K]; auto -> the top_k values the auto choice tries."""
-        return _int_or_auto(self.tree_top_k, "--tree_top_k", AUTO_TOP_KS)
-
-    @property
-    def fixed_size(self) -> int | None:
-        """None for 'auto', else the int size (ValueError naming --tree_size for anything else)."""
-        if str(self.tree_size) == "auto":
-            return None
-        if not re.fullmatch(r"\d+", str(self.tree_size)):
-            raise ValueError(f"--tree_size must be 'auto' or an int >= 1, got {self.tree_size!r}")
-        return int(self.tree_size)
 
 
 @dataclass(frozen=True)
@@ -146,15 +94,13 @@ def _chain_table(table: list[list[float]] | None, target: TargetModel) -> list[l
     return table if table is None or target.mode == "tree" else [row[:1] for row in table]
 
 
-def _default_table(num_heads: int) -> list[list[float]]:
+def default_table(num_heads: int) -> list[list[float]]:
     table = yaml.safe_load(DEFAULT_TREE_TABLE.read_text())["accuracy"]
     return [table[min(h, len(table) - 1)] for h in range(num_heads)]
 
 
 def _load(heads: str | Path | torch.nn.Module, target: TargetModel, target_name: str | None, revision: str | None):
     if isinstance(heads, torch.nn.Module):
-        from heads.checkpoint import check_compatible
-
         check_compatible(heads.config, target.model, target_name=target_name, source="--heads")
         module = heads.to(device=target.device, dtype=target.dtype).eval()
     else:
@@ -276,7 +222,7 @@ def _family(module, target: TargetModel, options: HeadsOptions, sampling: Sampli
             return HeadsProposer(proposer, config, proposer.tree_size, None, f"medusa tree {options.tree}")
         grown_from = table[: module.num_heads] if table is not None else None
         if grown_from is None:
-            grown_from = _chain_table(_default_table(module.num_heads), target)
+            grown_from = _chain_table(default_table(module.num_heads), target)
             notes.append(f"no measured accuracy in the heads: tree grown from the illustrative table of "
                          f"{DEFAULT_TREE_TABLE.name}")
 

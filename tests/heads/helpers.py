@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from heads import HeadsConfig, build_heads, target_modules
-from heads.vocab import build_vocab_mapping
+from heads.draft_vocab import build_vocab_mapping
 from tests.tiny_models import tiny_model
 
 VARIANTS = {

@@ -18,9 +18,10 @@ from heads.cli import error_line, parse_flags, run_cli
 from tests.tiny_models import STORIES260K
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI_MODULES = ["runtime/generate.py", "runtime/bench.py", "runtime/bench_heads.py", "runtime/cost_model.py",
-               "runtime/tree_search.py", "data/distill.py", "data/hidden_states.py", "data/bench_distill.py",
-               "heads/export.py", "heads/convert.py", "training/train_heads.py"]
+PACKAGES = ("heads", "data", "training", "runtime", "bench")
+# every file of ours with a __main__ block is a CLI (training/train_heads.py is run as a script)
+CLI_MODULES = sorted(str(p.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+                     if 'if __name__ == "__main__":' in p.read_text())
 
 
 def start_command(args: list[str], **env: str) -> subprocess.Popen:
@@ -48,8 +49,8 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     cases = [
         (["-m", "runtime.generate", "--model", str(STORIES260K), "--dtype", "float8", "--max_new_tokens", "2"],
          ["--dtype", "float8", "auto"]),
-        (["-m", "runtime.bench", "--model", "/no/such/model", "--max_prompts", "1"], ["--model /no/such/model"]),
-        (["-m", "runtime.cost_model", "--model", str(STORIES260K), "--dtype", "float16"], ["--dtype float16 on CPU"]),
+        (["-m", "bench.speed", "--model", "/no/such/model", "--max_prompts", "1"], ["--model /no/such/model"]),
+        (["-m", "bench.cost_curve", "--model", str(STORIES260K), "--dtype", "float16"], ["--dtype float16 on CPU"]),
         (["training/train_heads.py", "--config", str(recipe)], ["--config", str(recipe), "learning_rat"]),
     ]
     processes = [start_command(args) for args, _ in cases]
@@ -66,6 +67,7 @@ def test_debug_env_shows_the_traceback():
 
 
 def test_every_cli_main_block_uses_run_cli():
+    assert len(CLI_MODULES) >= 15 and "runtime/generate.py" in CLI_MODULES and "bench/speed.py" in CLI_MODULES
     for module in CLI_MODULES:
         source = (ROOT / module).read_text()
         block = source[source.index('if __name__ == "__main__":'):]
@@ -99,8 +101,8 @@ def test_run_cli_other_errors_propagate():
 @pytest.mark.parametrize("module, argv, expected", [
     ("runtime.generate", ["--max_new_tokens", "abc"], "--max_new_tokens"),
     ("runtime.generate", ["--no_such_flag", "1"], "--no_such_flag"),
-    ("runtime.bench_heads", [], "--config"),
-    ("runtime.tree_search", ["--num_nodes", "4"], "--output"),
+    ("bench.drafters", [], "--config"),
+    ("bench.tree_search", ["--num_nodes", "4"], "--output"),
     ("data.hidden_states", ["--model", "m", "--dataset", "d"], "--output_dir"),
     ("data.distill", ["--model", "m", "--prompts", "/no/such/prompts.jsonl", "--output_dir", "o"],
      "/no/such/prompts.jsonl"),

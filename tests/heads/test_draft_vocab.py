@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 
 from heads import load_heads
 from heads.checkpoint import DRAFT_VOCAB_FILE, weights_file
-from heads.vocab import build_vocab_mapping, coverage, main
+from heads.draft_vocab import build_vocab_mapping, coverage
+from heads.vocab import main
 from tests.heads.helpers import random_heads, tiny_target
 
 

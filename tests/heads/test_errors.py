@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from heads import HeadsConfig, load_heads
 from heads.checkpoint import weights_file
-from heads.vocab import build_vocab_mapping, validate_vocab_mapping
+from heads.draft_vocab import build_vocab_mapping, validate_vocab_mapping
 from tests.heads.helpers import TARGET_NAME, random_heads, tiny_target
 from tests.tiny_models import STORIES260K, stories260k
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import GenerationStats, generate_batch
+from runtime.loop import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer, per_row
 from runtime.sampling import SamplingConfig, logits_to_probs
 from runtime.target import TargetModel

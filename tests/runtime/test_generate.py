@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
+from runtime.cli import main
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig, SpeculationLength
-from runtime.generate import GenerationStats, generate, main
+from runtime.loop import GenerationStats, generate
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
@@ -232,7 +233,7 @@ def test_cli_config_file(tmp_path, capsys):
 def test_smollm2_greedy_prompt_lookup_equals_hf_generate():
     """The real 135M chat model (49k vocabulary, GGUF via heads.loading), chat template, EOS from its config."""
     from heads.loading import load_model, load_tokenizer
-    from runtime.generate import encode_prompt
+    from runtime.build import encode_prompt
     from tests.tiny_models import SMOLLM2
 
     model, tokenizer = load_model(str(SMOLLM2)), load_tokenizer(str(SMOLLM2))

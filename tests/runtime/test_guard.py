@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from runtime.bench import run_ours
+from bench.common import run_ours
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import GenerationStats, generate_batch
+from runtime.loop import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.base import Draft
 from runtime.proposers.guard import PROBE_EVERY, PayingGuard

@@ -99,8 +99,8 @@ def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
 
 
 def test_generate_cli_and_bad_flags(tmp_path, capsys, monkeypatch):
+    from runtime.cli import main
     from runtime.config import GenerateArguments
-    from runtime.generate import main
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     model = stories260k()

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from bench.common import hf_generation_config, run_hf, run_ours
 from runtime import layout
-from runtime.bench import hf_generation_config, run_hf, run_ours
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.cost_model import model_fingerprint
+from runtime.layout import model_fingerprint
 from runtime.layout import as_loaded, choose_layout, layout_of, linear_weights, set_layout
 from runtime.proposers import PromptLookupProposer
 from runtime.target import TargetModel

@@ -31,7 +31,7 @@ def test_attention_backend_that_ignores_custom_masks_is_refused(backend):
 
 
 def test_flash_attention_flag_is_refused_by_the_cli():
-    from runtime.generate import main
+    from runtime.cli import main
     with pytest.raises(ValueError, match="--attn_implementation flash_attention_2"):
         main(["--model", "unused", "--attn_implementation", "flash_attention_2"])
 

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 import runtime.target
 from heads.cli import run_cli
+from runtime.cli import main
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import GenerationStats, generate, main
+from runtime.loop import GenerationStats, generate
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.target import TargetError, TargetModel
