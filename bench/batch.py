@@ -1,4 +1,4 @@
-"""`python -m runtime.bench --batch_sizes 1,2,4,8,16`: batched decoding, speculation auto / on / off, next to
+"""`python -m bench.speed --batch_sizes 1,2,4,8,16`: batched decoding, speculation auto / on / off, next to
 transformers' own batched `generate` (hf).
 
 The prompts are decoded in consecutive batches of each size, every mode on a batch before the next batch
@@ -30,12 +30,16 @@ from typing import Any
 
 import torch
 
+from bench.common import environment, read_questions, warm_up
+from bench.report import pyplot, save_figure
 from runtime.api import SpeculativeModel
+from runtime.build import encode_prompt
 from runtime.config import GenerateArguments, SpeculationConfig
 from runtime.cost_model import batch_cost_curve
-from runtime.generate import GenerationStats, encode_prompt, generate_batch
+from runtime.loop import GenerationStats, generate_batch
 from runtime.planner import BatchPlanner, DraftProfile
 from runtime.proposers.base import Autoregressive, per_row
+from runtime.proposers.factory import proposer_from_heads
 from runtime.proposers.oracle import OracleProposer
 
 MODES = ("off", "on", "auto", "hf")
@@ -55,13 +59,8 @@ def parse_batch_sizes(value: str) -> list[int]:
 def profile_from_stats(stats: list[GenerationStats], max_size: int, source: str) -> DraftProfile:
     """The planner's profile measured from runs: tau(n) = 1 + sum_{d <= n} P(depth-d token accepted), draft time
     per row = mean draft time per step (at the run's size, used for every size: an upper bound for smaller ones)."""
-    drafted = [0] * max_size
-    accepted = [0] * max_size
-    for s in stats:
-        for d, (a, n) in enumerate(zip(s.accepted_per_depth + [0] * max_size, s.drafted_per_depth, strict=False)):
-            if d < max_size:
-                accepted[d], drafted[d] = accepted[d] + a, drafted[d] + n
-    rates = [a / n if n else 0.0 for a, n in zip(accepted, drafted, strict=True)]
+    measured = GenerationStats.merged(stats).acceptance_per_depth[:max_size]  # depths never drafted: 0
+    rates = measured + [0.0] * (max_size - len(measured))
     steps = sum(len(s.steps) for s in stats)
     draft = sum(s.draft_time for s in stats) / steps if steps else 0.0
     sizes = list(range(1, max_size + 1))
@@ -90,8 +89,7 @@ def _hf_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, pad_id: i
 
 
 def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
-    from runtime.bench import read_questions
-
+    """The batch bench of `python -m bench.speed --batch_sizes` (bench_args: its BenchArguments)."""
     batch_sizes = parse_batch_sizes(bench_args.batch_sizes)
     config = gen_args.decode_config()
     if not config.sampling.is_greedy:
@@ -109,8 +107,6 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
     if oracle:
         on_size = bench_args.batch_on_size
     elif method == "heads":
-        from runtime.proposers.factory import proposer_from_heads
-
         forced = proposer_from_heads(gen_args.heads, target, dataclasses.replace(
             gen_args.heads_options(), tree_size=str(bench_args.batch_on_size)), seed=gen_args.seed,
             target_name=gen_args.model)
@@ -130,8 +126,8 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
                 row.extend(new.tolist())
         return rows, stats
 
-    warm = [p[:32] for p in prompts[:2]]
-    decode(per_row(Autoregressive(), len(warm)), warm)  # untimed: allocation and lazy initialisation
+    warm = [p[:32] for p in prompts[:2]]  # untimed: allocation and lazy initialisation
+    warm_up(config, config.max_new_tokens, lambda _: decode(per_row(Autoregressive(), len(warm)), warm))
     print(f"[bench] plain greedy reference: {len(prompts)} prompts, each alone", file=sys.stderr)
     reference = [decode([Autoregressive()], [p])[0][0] for p in prompts]
     oracle_speculation = SpeculationConfig(num_speculative_tokens=on_size, max_speculative_tokens=on_size)
@@ -208,8 +204,7 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
             print(f"[bench] batch {batch:3d} {mode:4s}: {record['tokens_per_second']:8.1f} tokens/s, latency median "
                   f"{record['latency_median']:.2f} s, identical {identical}", file=sys.stderr)
     return {"config": {**dataclasses.asdict(gen_args), **dataclasses.asdict(bench_args), "method": method},
-            "environment": {"torch": torch.__version__, "num_threads": torch.get_num_threads(),
-                            "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch.")},
+            "environment": environment(target),
             "drafter": "oracle" if oracle else method, "on_size": on_size, "planner": plan,
             "batches": records, "summary": summarise(records, batch_sizes)}
 
@@ -239,11 +234,7 @@ def print_batch_table(result: dict[str, Any]) -> None:
 
 
 def plot_batches(result: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in MODES:
         rows = [r for r in result["batches"] if r["mode"] == mode]
@@ -255,5 +246,4 @@ def plot_batches(result: dict[str, Any], path: str | Path) -> None:
            title=f"drafter: {result['drafter']}, {result['environment']['dtype']}")
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)

@@ -1,6 +1,6 @@
 """Draft confidence vs acceptance of EAGLE heads, and what drafting only when the head is sure would give.
 
-    python -m runtime.calibration --model ../shared/models/smollm2-135m-instruct \
+    python -m bench.calibration --model ../shared/models/smollm2-135m-instruct \
         --heads outputs/scaling/smollm2/eagle_240000/heads --prompts ../shared/data/mt_bench_question.jsonl \
         --max_prompts 20 --output_json results/calibration_eagle_smollm2.json
 
@@ -16,7 +16,6 @@ The draft runs on every step (it is what decides), so below the break-even a hea
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,9 +23,17 @@ from typing import Any
 
 import torch
 
+from bench.common import load_target, read_prompts, run_ours
+from bench.report import write_json
+from heads.cli import parse_flags, run_cli
+from heads.loading import dtype_name
+from runtime.build import encode_prompt
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.cost_model import verify_cost_curve
 from runtime.layout import LAYOUT_HELP
 from runtime.proposers.base import Draft
 from runtime.proposers.eagle import EagleProposer
+from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 
 BIN_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
 THRESHOLDS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -106,24 +113,11 @@ def gated_speedup(records: Sequence[tuple[float, bool]], threshold: float, verif
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from heads.cli import parse_flags
-    from heads.loading import load_model, load_tokenizer
-    from runtime.bench import read_prompts, run_ours
-    from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
-    from runtime.cost_model import verify_cost_curve
-    from runtime.generate import encode_prompt
-    from runtime.proposers.factory import HeadsOptions, proposer_from_heads
-    from runtime.verify_check import prepare_target
-
     args = parse_flags(CalibrationArgs, argv)
     if not args.heads:
         raise ValueError("--heads is required (EAGLE-1/2/3 heads directory)")
     torch.set_num_threads(args.num_threads)
-    dtype_args = GenerateArguments(model=args.model, dtype=args.dtype)
-    model = load_model(args.model, dtype=dtype_args.model_dtype())
-    tokenizer = load_tokenizer(args.model)
-    print(dtype_args.dtype_line(model.dtype), file=sys.stderr)
-    target = prepare_target(model, layout=args.weight_layout)
+    target, tokenizer = load_target(model=args.model, dtype=args.dtype, weight_layout=args.weight_layout)
     built = proposer_from_heads(args.heads, target, HeadsOptions(tree_size="1", eagle_tree="static"),
                                 target_name=args.model)
     recorder = ConfidenceRecorder(built.proposer)
@@ -137,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps += len(run.stats.steps)
     draft = (draft_seconds - recorder.measuring_seconds) / max(steps, 1) / plain_seconds
     records = recorder.records
-    result = {"model": args.model, "heads": args.heads, "dtype": str(model.dtype).removeprefix("torch."),
+    result = {"model": args.model, "heads": args.heads, "dtype": dtype_name(target.dtype),
               "prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "steps": len(records),
               "acceptance": sum(a for _, a in records) / max(len(records), 1),
               "verify_two_tokens_cost": verify_two, "draft_cost": draft,
@@ -154,13 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
         print(f"{row['threshold']:>13.2f} {row['drafted_share']:7.3f} {acc:>8} {row['predicted_speedup']:18.3f}")
     if args.output_json:
-        from heads.files import atomic_write_json
-
-        atomic_write_json(args.output_json, result)
+        write_json(args.output_json, result)
     return result
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

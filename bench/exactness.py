@@ -1,6 +1,6 @@
 """Greedy exactness in a reduced dtype: does speculative greedy output equal plain greedy decoding, and where not, why?
 
-    python -m runtime.exactness --model ../shared/models/smollm2-135m-instruct --dtype bfloat16 \\
+    python -m bench.exactness --model ../shared/models/smollm2-135m-instruct --dtype bfloat16 \\
         --method prompt_lookup --max_prompts 8 --max_new_tokens 64 --output_json outputs/bench/exactness_bf16.json
 
 In float32 the two are token-identical (tested). In bfloat16 the verify forward (several tokens, tree mask) and a
@@ -22,19 +22,18 @@ from typing import Any
 
 import torch
 
-from heads.cli import parse_flag_groups
-from heads.files import atomic_write_json
-from runtime.bench import read_prompts, run_ours
+from bench.common import load_target, read_prompts, run_ours
+from bench.report import write_json
+from heads.cli import parse_flag_groups, run_cli
+from heads.loading import dtype_name
+from runtime.build import build_proposer, encode_prompt
 from runtime.config import GenerateArguments
-from runtime.generate import build_proposer, encode_prompt
-from runtime.layout import choose_layout
 from runtime.proposers import Autoregressive
-from runtime.target import TargetModel
 
 
 @dataclass
 class ExactnessArguments:
-    """Flags of `python -m runtime.exactness` besides the model / method / dtype flags of runtime.generate."""
+    """Flags of `python -m bench.exactness` besides the model / method / dtype flags of runtime.generate."""
 
     prompts: str = field(default="../shared/data/mt_bench_question.jsonl", metadata={
         "help": "prompt file (first user turn of each row is used)"})
@@ -87,8 +86,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from heads.loading import load_model, load_tokenizer
-
     gen_args, args = parse_flag_groups((GenerateArguments, ExactnessArguments), argv)
     if args.max_prompts < 1:
         raise ValueError(f"--max_prompts must be >= 1, got {args.max_prompts}")
@@ -97,12 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not config.sampling.is_greedy:
         raise ValueError(f"--temperature {gen_args.temperature}: exactness is about greedy decoding; use 0")
     prompts = read_prompts(args.prompts, args.max_prompts)
-    tokenizer = load_tokenizer(gen_args.model)
-    model = load_model(gen_args.model, dtype=gen_args.model_dtype(), attn_implementation=gen_args.attn_implementation,
-                       device=gen_args.device)
-    print(gen_args.dtype_line(model.dtype), file=sys.stderr)
-    target = TargetModel(model)
-    choose_layout(target, gen_args.weight_layout)
+    target, tokenizer = load_target(gen_args)  # the load-time verify check too
+    model = target.model
     proposer = build_proposer(gen_args, target, tokenizer)
     records = []
     for i, prompt in enumerate(prompts):
@@ -116,10 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            f"{r.get('gap_share_at_most', float('nan')):.1%} of positions)")
         print(f"[exactness] prompt {i + 1}/{len(prompts)}: identical {r['identical']}{where}", file=sys.stderr)
     result = {"config": {**dataclasses.asdict(gen_args), **dataclasses.asdict(args),
-                         "method": gen_args.resolved_method(), "dtype_used": str(model.dtype).removeprefix("torch.")},
+                         "method": gen_args.resolved_method(), "dtype_used": dtype_name(model.dtype)},
               "overall": summarize(records), "prompts": records}
     result["config"].pop("prompt")
-    atomic_write_json(args.output_json, result)
+    write_json(args.output_json, result)
     o = result["overall"]
     print(f"{result['config']['dtype_used']}, {result['config']['method']}: {o['identical']}/{o['prompts']} prompts "
           f"identical to plain greedy decoding; first divergences at {o['first_divergence_positions']}, plain top-2 "
@@ -129,6 +122,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

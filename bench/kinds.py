@@ -1,23 +1,24 @@
-"""Run `runtime.bench_heads` once per prompt kind and compare the drafters kind by kind.
+"""Run `bench.drafters` once per prompt kind and compare the drafters kind by kind.
 
     python -m bench.kinds --config configs/bench_kinds_smollm2.yaml [--kinds summarise,chat] \
         [--methods prompt_lookup] [--max_prompts 1] [--max_new_tokens 32] [--output_dir DIR] [--aggregate_only]
 
-The config holds runtime.bench_heads' keys (model, max_prompts, max_new_tokens, methods, dtype, exact, ...; its
+The config holds bench.drafters' keys (model, max_prompts, max_new_tokens, methods, dtype, exact, ...; its
 `prompts` is replaced per kind) plus `kinds_file` (the JSONL of `python -m bench.prompt_kinds`; built with
 --per_kind max_prompts and seed 0 when missing) and `kinds` (a list or comma-separated string; default: every
 kind in the file). Any other key is an error naming it and the file. Per kind, the first `max_prompts` rows of
-that kind go to `<output_dir>/<kind>/prompts.jsonl`, its runtime.bench_heads config to
-`<output_dir>/<kind>/bench_heads.yaml`, and bench_heads writes its results there (rerunning resumes from its
+that kind go to `<output_dir>/<kind>/prompts.jsonl`, its bench.drafters config to
+`<output_dir>/<kind>/bench_heads.yaml`, and bench.drafters writes its results there (rerunning resumes from its
 state.json). Then, per kind x method and over all kinds (`all`): speed-up vs plain decoding (total tokens / total
 time, and the median over prompts), vs the fastest plain weight layout where the records give one
-(`overall.baseline` of runtime.bench's --plain_layouts), tau (accepted tokens per step, bonus included),
-identical-to-plain share, tokens/s, input tokens (median, through the chat template: bench_heads' prompt_tokens),
+(`overall.baseline` of bench.speed's --plain_layouts), tau (accepted tokens per step, bonus included),
+identical-to-plain share, tokens/s, input tokens (median, through the chat template: bench.drafters' prompt_tokens),
 to `<output_dir>/kinds_summary.json` and a markdown table on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -27,7 +28,12 @@ from typing import Any
 
 import yaml
 
+from bench import drafters, prompt_kinds
 from bench.prompt_kinds import KINDS, parse_kinds
+from bench.report import fmt, ratio, write_json
+from bench.report import markdown_table as table
+from heads.cli import DEBUG_FLAG, raise_flag_error, read_config_mapping, run_cli
+from heads.files import atomic_write_jsonl, atomic_write_text
 
 KIND_KEYS = {"kinds_file", "kinds"}
 SUMMARY_FILE = "kinds_summary.json"
@@ -39,19 +45,15 @@ DEFAULT_KINDS_FILE = "outputs/prompts/kinds.jsonl"
 
 
 def bench_heads_keys() -> set[str]:
-    """The run keys runtime.bench_heads accepts in its config (read from it, so they follow its changes)."""
-    from runtime import bench_heads
-
-    return set(bench_heads._RUN_KEYS)
+    """The run keys bench.drafters accepts in its config (read from it, so they follow its changes)."""
+    return set(drafters.RUN_KEYS)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The kinds config -> dict; unknown keys (not bench_heads' nor kinds_file/kinds) raise naming key and file."""
-    from heads.cli import read_config_mapping
-
+    """The kinds config -> dict; unknown keys (not bench.drafters' nor kinds_file/kinds) raise naming key and file."""
     config = read_config_mapping(path, bench_heads_keys() | KIND_KEYS)
     if "methods" not in config:
-        raise ValueError(f"--config {path}: 'methods' is missing (a list of runtime.bench_heads methods)")
+        raise ValueError(f"--config {path}: 'methods' is missing (a list of bench.drafters methods)")
     return config
 
 
@@ -85,9 +87,7 @@ def read_kind_rows(path: str | Path) -> dict[str, list[dict[str, Any]]]:
 
 def kind_configs(config: dict[str, Any], rows: dict[str, list[dict[str, Any]]], kinds: list[str],
                  output_dir: Path, source: str) -> dict[str, Path]:
-    """Write each kind's prompts.jsonl and runtime.bench_heads config under output_dir/<kind>: {kind: config}."""
-    from heads.files import atomic_write_jsonl, atomic_write_text
-
+    """Write each kind's prompts.jsonl and bench.drafters config under output_dir/<kind>: {kind: config}."""
     max_prompts = int(config.get("max_prompts", 4))
     base = {k: v for k, v in config.items() if k not in KIND_KEYS | {"prompts", "output_dir", "max_prompts"}}
     paths = {}
@@ -104,22 +104,16 @@ def kind_configs(config: dict[str, Any], rows: dict[str, list[dict[str, Any]]], 
 
 
 def run_bench_heads(config: Path) -> Any:
-    """runtime.bench_heads on one kind's config, in this process."""
-    from runtime import bench_heads
-
-    return bench_heads.main(["--config", str(config)])
+    """bench.drafters on one kind's config, in this process."""
+    return drafters.main(["--config", str(config)])
 
 
 # ---------------------------------------------------------------- aggregation
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
-
-
 def _fastest_plain_tps(overall: dict[str, Any]) -> float | None:
-    """The fastest plain decoding of the run: runtime.bench's overall.baseline (the layout in use and the forced
-    ones), when the run measured it; None otherwise (runtime.bench_heads does not)."""
+    """The fastest plain decoding of the run: bench.speed's overall.baseline (the layout in use and the forced
+    ones), when the run measured it; None otherwise (bench.drafters does not)."""
     baseline = overall.get("baseline")
     if not isinstance(baseline, dict):
         return None
@@ -130,10 +124,10 @@ def _fastest_plain_tps(overall: dict[str, Any]) -> float | None:
 
 def method_row(kind: str, method: str, records: list[dict[str, Any]], fastest_plain: float | None,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One table row from runtime.bench per-prompt records (of one kind, or of every kind for `all`)."""
+    """One table row from bench.speed per-prompt records (of one kind, or of every kind for `all`)."""
     totals = {runner: (sum(r[runner]["new_tokens"] for r in records), sum(r[runner]["seconds"] for r in records))
               for runner in ("plain", "method")}
-    plain_tps, method_tps = (_ratio(*totals[runner]) or 0.0 for runner in ("plain", "method"))
+    plain_tps, method_tps = (ratio(*totals[runner]) or 0.0 for runner in ("plain", "method"))
     steps = sum(r["steps"] for r in records)
     identical = [r.get("identical_to_plain") for r in records]
     greedy = [r.get("greedy_identical") for r in records]
@@ -141,9 +135,9 @@ def method_row(kind: str, method: str, records: list[dict[str, Any]], fastest_pl
     return {"kind": kind, "method": method, "prompts": len(records),
             "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in records),
             "tau": sum(r["tau"] * r["steps"] for r in records) / steps if steps else 1.0,
-            "speedup": _ratio(method_tps, plain_tps),
+            "speedup": ratio(method_tps, plain_tps),
             "speedup_median": statistics.median(speedups) if speedups else None,
-            "speedup_vs_fastest_plain": _ratio(method_tps, fastest_plain) if fastest_plain else None,
+            "speedup_vs_fastest_plain": ratio(method_tps, fastest_plain) if fastest_plain else None,
             "identical_to_plain": None if None in identical else sum(identical),
             "identical_to_plain_share": None if None in identical else sum(identical) / len(records),
             "greedy_identical": None if None in greedy else sum(greedy),
@@ -152,7 +146,7 @@ def method_row(kind: str, method: str, records: list[dict[str, Any]], fastest_pl
 
 
 def aggregate(kind_dirs: dict[str, Path], methods: list[str] | None = None) -> dict[str, Any]:
-    """Per kind x method rows and one `all` row per method, from each kind's runtime.bench_heads results
+    """Per kind x method rows and one `all` row per method, from each kind's bench.drafters results
     (summary.json and <method>.json in its folder); only `methods` when given."""
     rows, records_by_method, fastest_by_method = [], {}, {}
     header: dict[str, Any] = {}
@@ -189,42 +183,32 @@ def aggregate(kind_dirs: dict[str, Path], methods: list[str] | None = None) -> d
             "overall": overall}
 
 
-def _f(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def markdown_table(summary: dict[str, Any]) -> str:
     """Rows kind x method, then `all`; and speed-up (tau) by kind, one column per method."""
-    lines = ["| kind | method | prompts | input tokens (median) | tau | speed-up | median | vs fastest plain | "
-             "=plain | plain tok/s | method tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    columns = ["kind", "method", "prompts", "input tokens (median)", "tau", "speed-up", "median", "vs fastest plain",
+               "=plain", "plain tok/s", "method tok/s"]
+    rows = []
     for row in summary["rows"] + summary["overall"]:
         same = "-" if row["identical_to_plain"] is None else f"{row['identical_to_plain']}/{row['prompts']}"
-        lines.append(f"| {row['kind']} | {row['method']} | {row['prompts']} | {row['prompt_tokens_median']:g} | "
-                     f"{row['tau']:.2f} | {_f(row['speedup'])} | {_f(row['speedup_median'])} | "
-                     f"{_f(row['speedup_vs_fastest_plain'])} | {same} | {row['plain_tokens_per_second']:.1f} | "
-                     f"{row['method_tokens_per_second']:.1f} |")
+        rows.append([row["kind"], row["method"], row["prompts"], f"{row['prompt_tokens_median']:g}",
+                     f"{row['tau']:.2f}", fmt(row["speedup"]), fmt(row["speedup_median"]),
+                     fmt(row["speedup_vs_fastest_plain"]), same, f"{row['plain_tokens_per_second']:.1f}",
+                     f"{row['method_tokens_per_second']:.1f}"])
     methods = summary["methods"]
-    lines += ["", "speed-up vs plain (tau) by kind:", "",
-              "| kind | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
-    cells = {(r["kind"], r["method"]): f"{_f(r['speedup'])} ({r['tau']:.2f})"
+    cells = {(r["kind"], r["method"]): f"{fmt(r['speedup'])} ({r['tau']:.2f})"
              for r in summary["rows"] + summary["overall"]}
-    for kind in [*summary["kinds"], "all"]:
-        lines.append(f"| {kind} | " + " | ".join(cells.get((kind, m), "-") for m in methods) + " |")
-    return "\n".join(lines)
+    by_kind = [[kind, *(cells.get((kind, m), "-") for m in methods)] for kind in [*summary["kinds"], "all"]]
+    return "\n".join([table(columns, rows, right=[False, False] + [True] * 9), "", "speed-up vs plain (tau) by kind:", "",
+                      table(["kind", *methods], by_kind, right=[False] + [True] * len(methods))])
 
 
 # ---------------------------------------------------------------- command
 
 
 def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_bench_heads) -> dict[str, Any]:
-    import argparse
-
-    from heads.cli import DEBUG_FLAG, raise_flag_error
-    from heads.files import atomic_write_json
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.error = raise_flag_error
-    parser.add_argument("--config", required=True, help="runtime.bench_heads keys plus kinds_file / kinds")
+    parser.add_argument("--config", required=True, help="bench.drafters keys plus kinds_file / kinds")
     parser.add_argument("--kinds", default=None, help=f"override the config's kinds (comma-separated, of "
                         f"{','.join(KINDS)})")
     parser.add_argument("--methods", default=None, help="run only these of the config's methods (comma-separated "
@@ -244,14 +228,10 @@ def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_be
     if int(config.get("max_prompts", 4)) < 1:
         raise ValueError(f"{source}: max_prompts must be >= 1, got {config['max_prompts']}")
     config["methods"] = select_methods(config["methods"], args.methods, source)
-    from runtime.bench_heads import parse_methods
-
-    parse_methods(config["methods"], source)  # bench_heads' own checks, before any kind runs
+    drafters.parse_methods(config["methods"], source)  # bench.drafters' own checks, before any kind runs
     output_dir = Path(config.get("output_dir", DEFAULT_OUTPUT_DIR))
     kinds_file = Path(config.get("kinds_file", DEFAULT_KINDS_FILE))
     if not kinds_file.is_file() and not args.aggregate_only:
-        from bench import prompt_kinds
-
         per_kind = int(config.get("max_prompts", 4))
         print(f"[kinds] {kinds_file} is missing: building it (--per_kind {per_kind} --seed 0)", file=sys.stderr)
         prompt_kinds.main(["--output", str(kinds_file), "--per_kind", str(per_kind),
@@ -267,12 +247,12 @@ def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_be
     else:
         configs = kind_configs(config, rows, kinds, output_dir, source)
         for i, (kind, path) in enumerate(configs.items()):
-            print(f"[kinds] {kind} ({i + 1}/{len(configs)}): runtime.bench_heads --config {path}", file=sys.stderr)
+            print(f"[kinds] {kind} ({i + 1}/{len(configs)}): bench.drafters --config {path}", file=sys.stderr)
             run_kind(path)
         folders = {kind: path.parent for kind, path in configs.items()}
     summary = {"config": str(args.config), "kinds_file": str(kinds_file),
                **aggregate(folders, [m["name"] for m in config["methods"]])}
-    atomic_write_json(output_dir / SUMMARY_FILE, summary)
+    write_json(output_dir / SUMMARY_FILE, summary)
     print(f"{summary.get('model')} ({summary.get('dtype')}), {summary.get('max_new_tokens')} new tokens, "
           f"speed-up = tokens/s over plain decoding's in the same run; {output_dir / SUMMARY_FILE}")
     print(markdown_table(summary))
@@ -280,6 +260,4 @@ def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_be
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

@@ -1,6 +1,6 @@
 """Replay cost-aware prompt lookup on fixed answers, without running a model: its predicted decode speed-up.
 
-    python -m runtime.lookup_replay --curve ~/.cache/specheads/cost_curves/<model>__cpu-1threads__float32__kv256.json \
+    python -m bench.lookup_replay --curve ~/.cache/specheads/cost_curves/<model>__cpu-1threads__float32__kv256.json \
         --answers outputs/distill/smollm2-mtbench-eval,outputs/data/smollm2-long/eval --required_gain 1.0,1.2
 
 Each answer is the last assistant turn of a row of a `data.distill` dataset (its last run of loss-mask 1, at most
@@ -9,7 +9,7 @@ greedy verification: it drafts from the committed tokens, the longest prefix of 
 accepted plus one token, and the step costs the curve's verify cost of 1 + k tokens relative to a plain step (the
 same `CostCurve.relative_to_plain` the runtime gives the proposer). Predicted decode speed-up = answer tokens /
 total cost (prefill excluded: the same for both). On the target's own greedy answers this is what the lookup
-would accept when run (`runtime.bench` measures the rest: realised / predicted); on human answers it shows how the
+would accept when run (`bench.speed` measures the rest: realised / predicted); on human answers it shows how the
 policy behaves on text the target does not copy. Deterministic, seconds per hundred answers, so the lookup's
 constants can be checked on any answers and any measured curve.
 """
@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 
+from bench.report import write_json
 from heads.cli import parse_flags, run_cli
 from runtime.cost_model import describe_relative_costs, load_curve
 from runtime.proposers.prompt_lookup import PRIOR_ACCEPTANCE, REQUIRED_GAIN, PromptLookupProposer
@@ -30,9 +32,9 @@ from runtime.proposers.prompt_lookup import PRIOR_ACCEPTANCE, REQUIRED_GAIN, Pro
 
 @dataclass
 class ReplayArguments:
-    """Flags of `python -m runtime.lookup_replay`."""
+    """Flags of `python -m bench.lookup_replay`."""
 
-    curve: str = field(default="", metadata={"help": "a verify cost curve JSON (python -m runtime.cost_model "
+    curve: str = field(default="", metadata={"help": "a verify cost curve JSON (python -m bench.cost_curve "
                                                      "--output, or the runtime's cache under cost_curves/)"})
     answers: str = field(default="", metadata={"help": "comma-separated data.distill dataset directories"})
     required_gain: str = field(default=str(REQUIRED_GAIN), metadata={
@@ -95,8 +97,6 @@ def last_answer(input_ids: Sequence[int], loss_mask: Sequence[int], max_new_toke
 
 
 def load_answers(directory: str, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
-    import datasets
-
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"--answers {directory}: no such dataset directory")
     rows = datasets.load_from_disk(directory)
@@ -165,9 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"{row['predicted_speedup']:.4f} (median {row['median_speedup']:.3f}, "
                   f"{row['answers_slower']} answers slower)")
     if args.output:
-        from heads.files import atomic_write_json
-
-        atomic_write_json(Path(args.output), {"curve": args.curve, "curve_dtype": curve.dtype,
+        write_json(Path(args.output), {"curve": args.curve, "curve_dtype": curve.dtype,
                                               "step_costs": step_costs, "config": vars(args), "results": rows})
     return rows
 

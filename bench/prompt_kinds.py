@@ -20,16 +20,17 @@ deterministically from the files of `--data_dir` (default ../shared/data; licenc
 - chat: MT-Bench first turns.
 
 Each row: {"kind", "prompt" (the user turn), "source" (file name(s)), "index" (row / line / story number(s) in
-it), "category" (= kind, read by runtime.bench), "prompt_tokens" (the user text's tokens, no chat template),
-"reference" (what a correct answer contains, where known)}. `runtime.bench.read_prompts` reads the `prompt`
+it), "category" (= kind, read by bench.speed), "prompt_tokens" (the user text's tokens, no chat template),
+"reference" (what a correct answer contains, where known)}. `bench.common.read_prompts` reads the `prompt`
 column. The combined file goes to --output and one file per kind next to it (outputs/prompts/kinds/<kind>.jsonl
-for --output outputs/prompts/kinds.jsonl), each usable as `prompts:` of runtime.bench_heads. Each kind has its
+for --output outputs/prompts/kinds.jsonl), each usable as `prompts:` of bench.drafters. Each kind has its
 own random stream (seeded by seed and kind name), so a kind's prompts do not depend on which other kinds are
 built.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -39,6 +40,10 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from bench.report import markdown_table, write_jsonl
+from heads.cli import DEBUG_FLAG, raise_flag_error, run_cli
+from heads.loading import load_tokenizer
 
 KINDS = ("summarise", "translate", "qa", "rag", "math", "code", "chat")
 DEFAULT_DATA_DIR = "../shared/data"
@@ -325,8 +330,6 @@ def build_prompts(kinds: list[str], per_kind: int, seed: int, data_dir: str | Pa
 
 def token_counter(model: str) -> CountTokens:
     """A text's token count in `model`'s tokenizer (no special tokens, no chat template)."""
-    from heads.loading import load_tokenizer
-
     tokenizer = load_tokenizer(model)
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -339,32 +342,27 @@ def kind_files_dir(output: str | Path) -> Path:
 
 def write_prompts(rows: list[Row], output: str | Path) -> dict[str, Path]:
     """The combined JSONL at `output` and one JSONL per kind in kind_files_dir(output): {kind: path}."""
-    from heads.files import atomic_write_jsonl
-
-    atomic_write_jsonl(output, rows)
+    write_jsonl(output, rows)
     paths = {}
     for kind in dict.fromkeys(row["kind"] for row in rows):
-        paths[kind] = atomic_write_jsonl(kind_files_dir(output) / f"{kind}.jsonl",
+        paths[kind] = write_jsonl(kind_files_dir(output) / f"{kind}.jsonl",
                                          [row for row in rows if row["kind"] == kind])
     return paths
 
 
 def length_table(rows: list[Row]) -> str:
     """Per kind: count and prompt tokens min / median / max (markdown)."""
-    lines = ["| kind | count | tokens min | median | max | sources |", "|---|---:|---:|---:|---:|---|"]
+    lines = []
     for kind in dict.fromkeys(row["kind"] for row in rows):
         lengths = [row["prompt_tokens"] for row in rows if row["kind"] == kind]
         sources = sorted({s for row in rows if row["kind"] == kind for s in row["source"].split(",")})
-        lines.append(f"| {kind} | {len(lengths)} | {min(lengths)} | {statistics.median(lengths):g} | "
-                     f"{max(lengths)} | {', '.join(sources)} |")
-    return "\n".join(lines)
+        lines.append([kind, len(lengths), min(lengths), f"{statistics.median(lengths):g}", max(lengths),
+                      ", ".join(sources)])
+    return markdown_table(["kind", "count", "tokens min", "median", "max", "sources"], lines,
+                          right=[False, True, True, True, True, False])
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    import argparse
-
-    from heads.cli import DEBUG_FLAG, raise_flag_error
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.error = raise_flag_error
     parser.add_argument("--output", default="outputs/prompts/kinds.jsonl", help="combined JSONL (per-kind files "
@@ -387,6 +385,4 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

@@ -1,6 +1,6 @@
 """Data-scaling curve: train each method on growing subsets of one dataset, evaluate on one held-out set.
 
-    python -m training.scaling --config configs/scaling_smollm2.yaml
+    python -m bench.scaling --config configs/scaling_smollm2.yaml
 
 For every method and every size N (assistant tokens; `--max_tokens` caps the sizes per method), `training/train_heads.py` runs with the method's recipe,
 `--max_train_tokens N` (nested seeded subsets: the rows of a smaller size are among those of every larger one),
@@ -27,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.report import markdown_table as table
+from bench.report import pyplot, save_figure, write_json
 from heads.cli import parse_flags, run_cli
-from training.config import METHODS
+from training.config import CONFIG_FILE, METHODS, load_saved_config
 from training.evaluation import per_depth
 
 
@@ -38,7 +40,7 @@ def _help(text: str, default: Any = None) -> Any:
 
 @dataclass
 class ScalingConfig:
-    """Flags of `python -m training.scaling` (also the keys of configs/scaling_*.yaml)."""
+    """Flags of `python -m bench.scaling` (also the keys of configs/scaling_*.yaml)."""
 
     dataset: str = _help("Training dataset (python -m data.distill, either mode).", "")
     features: str | None = _help("Hidden-state shards of --dataset (python -m data.hidden_states); unset = online.")
@@ -138,7 +140,7 @@ def summarise(method: str, size: int, record: dict[str, Any], top_k: int, datase
 
 
 def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) -> list[str]:
-    script = Path(__file__).resolve().parent / "train_heads.py"
+    script = Path(__file__).resolve().parents[1] / "training" / "train_heads.py"
     command = [sys.executable, str(script), "--config", config.recipes.format(method=method),
                "--dataset", config.dataset, "--eval_dataset", config.eval_dataset,
                "--eval_samples", str(config.eval_samples), "--eval_top_k", str(config.eval_top_k),
@@ -153,16 +155,11 @@ def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) 
 
 
 def write_results(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
-    from heads.files import atomic_write_json
-
-    atomic_write_json(Path(config.results_json), {"config": asdict(config), "runs": runs})
+    write_json(Path(config.results_json), {"config": asdict(config), "runs": runs})
 
 
 def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in config.method_list():
         mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["train_tokens"])
@@ -183,21 +180,19 @@ def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
     datasets = ", ".join(dict.fromkeys(Path(r["dataset"]).name for r in runs))
     fig.suptitle(f"data scaling: {datasets}, held out on {Path(config.eval_dataset).name}")
     fig.tight_layout()
-    Path(config.plot).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(config.plot, dpi=110)
-    plt.close(fig)
+    save_figure(fig, config.plot, dpi=110)
 
 
 def markdown_table(runs: list[dict[str, Any]], top_k: int) -> str:
     """The results as a Markdown table (one row per run), as printed at the end."""
-    lines = [f"| method | data | training assistant tokens | steps | held-out top-1 per depth | top-{top_k} per depth | "
-             "expected tau | train s |", "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        top1 = " ".join(f"{v:.3f}".lstrip("0") for v in r["top1_per_depth"])
-        topk = " ".join(f"{v:.3f}".lstrip("0") for v in r[f"top{top_k}_per_depth"])
-        lines.append(f"| {r['method']} | {Path(r['dataset']).name} | {r['train_tokens']:,} | {r['steps']} | {top1} | {topk} | "
-                     f"{r['expected_tau']:.3f} | {r['train_seconds']:.0f} |")
-    return "\n".join(lines)
+    def depths(values: list[float]) -> str:
+        return " ".join(f"{v:.3f}".lstrip("0") for v in values)
+
+    columns = ["method", "data", "training assistant tokens", "steps", "held-out top-1 per depth",
+               f"top-{top_k} per depth", "expected tau", "train s"]
+    return table(columns, [[r["method"], Path(r["dataset"]).name, f"{r['train_tokens']:,}", r["steps"],
+                            depths(r["top1_per_depth"]), depths(r[f"top{top_k}_per_depth"]),
+                            f"{r['expected_tau']:.3f}", f"{r['train_seconds']:.0f}"] for r in runs])
 
 
 # What a curve run's numbers depend on besides its method and size: a kept row must agree on all of them.
@@ -250,8 +245,6 @@ def run_one(config: ScalingConfig, method: str, size: int, kept: dict[tuple[str,
 def extra_row(config: ScalingConfig, method: str, run_dir: Path,
               kept: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Summarise a finished run of another recipe, refusing one held out on a different set (not comparable)."""
-    from training.config import CONFIG_FILE, load_saved_config
-
     record, settings = final_record(run_dir), load_saved_config(run_dir)
     row = (kept or {}).get(("extra", str(run_dir)))
     if (record is None or settings is None) and row is not None and row["method"] == method:

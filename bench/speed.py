@@ -1,6 +1,6 @@
 """Benchmark a speculative method against plain decoding on the same prompts, in the same process.
 
-    python -m runtime.bench --model ../shared/models/smollm2-135m-instruct --method prompt_lookup \
+    python -m bench.speed --model ../shared/models/smollm2-135m-instruct --method prompt_lookup \
         --prompts ../shared/data/mt_bench_question.jsonl --max_prompts 10 --max_new_tokens 128 \
         --compare_hf --output_json outputs/bench/smollm2_prompt_lookup.json
 
@@ -36,11 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import platform
-import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -49,23 +45,49 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
-from heads.cli import parse_flag_groups
-from heads.files import atomic_write_json, atomic_write_jsonl
-from heads.loading import fast_bf16
+from bench.batch import parse_batch_sizes, plot_batches, print_batch_table, run_batch_bench
+from bench.common import (
+    Question,
+    Run,
+    fastest_of,
+    hf_generation_config,
+    read_questions,
+    run_hf,
+    run_ours,
+    warm_up,
+)
+from bench.common import environment as environment_record
+from bench.report import (
+    PLOT_SUFFIXES,
+    check_writable,
+    efficiency,
+    fmt,
+    overall_record,
+    prompt_record,
+    pyplot,
+    ratio,
+    ratio_or_none,
+    save_figure,
+    verify_cost_from_steps,
+    write_json,
+    write_jsonl,
+)
+from heads.cli import parse_flag_groups, run_cli
+from heads.loading import dtype_name
+from runtime.api import SpeculativeModel
+from runtime.build import encode_prompt
 from runtime.config import DecodeConfig, GenerateArguments, SpeculationConfig
-from runtime.cost_model import predicted_speedup
-from runtime.generate import GenerationStats, encode_prompt, generate
-from runtime.layout import as_loaded, check_layout, layout_of, set_layout
+from runtime.layout import check_layout, layout_of, set_layout
+from runtime.loop import GenerationStats
 from runtime.proposers import Autoregressive, Proposer
 from runtime.proposers.oracle import OracleProposer
-from runtime.target import SUPPORTED_ATTENTION, TargetModel
+from runtime.target import SUPPORTED_ATTENTION
 
 
 @dataclass
 class BenchArguments:
-    """Flags of `python -m runtime.bench` besides the model / method / sampling flags of runtime.generate."""
+    """Flags of `python -m bench.speed` besides the model / method / sampling flags of runtime.generate."""
 
     prompts: str = field(default="../shared/data/mt_bench_question.jsonl", metadata={
         "help": "prompt file or dataset: JSONL/JSON with prompt, turns (MT-Bench), instruction (Alpaca), "
@@ -90,7 +112,7 @@ class BenchArguments:
         "help": "answers in the Spec-Bench format (question_id, model_id, choices: turns, new_tokens, wall_time, "
                 "accept_lengths); plain decoding's answers go to the same name with '-plain' before the suffix"})
     batch_sizes: str = field(default="", metadata={
-        "help": "comma-separated batch sizes (e.g. 1,2,4,8,16): the batch bench instead (runtime/bench_batch.py): "
+        "help": "comma-separated batch sizes (e.g. 1,2,4,8,16): the batch bench instead (bench/batch.py): "
                 "throughput and latency with speculation auto / on / off and transformers' batched generate"})
     batch_drafter: str = field(default="method", metadata={
         "help": "batch bench drafter: 'method' (the --method/--heads drafter) or 'oracle' (plain decoding's own "
@@ -133,7 +155,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
     argv = list(sys.argv[1:] if argv is None else argv)
     gen_args, bench_args = parse_flag_groups((GenerateArguments, BenchArguments), argv)
     if "--prompt" in argv or any(a.startswith("--prompt=") for a in argv):
-        raise ValueError("--prompt is a flag of runtime.generate; runtime.bench reads --prompts FILE")
+        raise ValueError("--prompt is a flag of runtime.generate; bench.speed reads --prompts FILE")
     if bench_args.max_prompts < 1:
         raise ValueError(f"--max_prompts must be >= 1, got {bench_args.max_prompts}")
     if bench_args.repeats < 1:
@@ -141,8 +163,6 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
     if bench_args.warmup_tokens < 0:
         raise ValueError(f"--warmup_tokens must be >= 0, got {bench_args.warmup_tokens}")
     if bench_args.batch_sizes:
-        from runtime.bench_batch import parse_batch_sizes
-
         parse_batch_sizes(bench_args.batch_sizes)
         if bench_args.batch_on_size < 1:
             raise ValueError(f"--batch_on_size must be >= 1, got {bench_args.batch_on_size}")
@@ -164,130 +184,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[GenerateArguments, B
     return gen_args, bench_args
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-def check_writable(path: str | Path, flag: str) -> None:
-    """Raise ValueError naming `flag` unless a file can be written at `path` (its folder is created)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; expected a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
-
-
-@dataclass(frozen=True)
-class Question:
-    """One conversation of the prompt file: its id (the file's question_id, else its position) and user turns."""
-
-    question_id: int | str
-    category: str
-    turns: list[str]
-
-
-def _row_metadata(source: str) -> list[dict[str, Any]]:
-    """question_id / category of each row of a JSONL prompt file (MT-Bench has both); [] for other sources."""
-    path = Path(source)
-    if not (path.is_file() and path.suffix == ".jsonl"):
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                return []
-            rows.append(row if isinstance(row, dict) else {})
-    return rows
-
-
-def read_questions(source: str, max_prompts: int) -> list[Question]:
-    """The user turns of each of the first `max_prompts` conversations in `source`."""
-    from data.prompts import read_conversations  # the CLI edge may read prompt files; runtime core may not
-
-    conversations, skipped = read_conversations(source, max_rows=max_prompts)
-    for row in skipped[:5]:
-        print(f"[bench] --prompts {source}: skipped row {row.line}: {row.reason}", file=sys.stderr)
-    if not conversations:
-        raise ValueError(f"--prompts {source}: no usable prompt ({len(skipped)} rows skipped)")
-    metadata = [] if skipped else _row_metadata(source)  # rows line up with conversations only if none skipped
-    questions = []
-    for i, conversation in enumerate(conversations):
-        meta = metadata[i] if i < len(metadata) else {}
-        questions.append(Question(question_id=meta.get("question_id", i), category=str(meta.get("category", "")),
-                                  turns=[m["content"] for m in conversation if m["role"] == "user"]))
-    return questions
-
-
-def read_prompts(source: str, max_prompts: int) -> list[str]:
-    """The first user turn of each of the first `max_prompts` conversations in `source`."""
-    return [question.turns[0] for question in read_questions(source, max_prompts)]
-
-
 # ---------------------------------------------------------------- runners
-
-
-@dataclass(frozen=True)
-class Run:
-    """One generation of one runner on one prompt."""
-
-    tokens: list[int]  # new tokens
-    seconds: float  # wall time of the whole call (prefill included)
-    stats: GenerationStats | None = None  # our loop only
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
-
-
-def run_ours(target: TargetModel, proposer: Proposer, input_ids: torch.Tensor, config: DecodeConfig) -> Run:
-    """Our decode loop; input_ids [T]."""
-    stats = GenerationStats()
-    tokens: list[int] = []
-    for step in generate(target, proposer, input_ids, config, stats):
-        tokens.extend(step.tolist())
-    return Run(tokens=tokens, seconds=stats.total_time, stats=stats)
-
-
-def hf_generation_config(model, config: DecodeConfig) -> transformers.GenerationConfig:
-    """The model's own generation config with our max_new_tokens, EOS and sampling settings."""
-    gen = copy.deepcopy(model.generation_config)
-    sampling = config.sampling
-    if sampling.is_greedy:
-        gen.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    else:
-        gen.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
-                   top_p=sampling.top_p)
-    gen.update(max_new_tokens=config.max_new_tokens, min_new_tokens=None, max_length=None)
-    if config.eos_token_ids is not None:
-        gen.update(eos_token_id=list(config.eos_token_ids) or None)
-    if gen.pad_token_id is None:
-        eos = gen.eos_token_id
-        gen.pad_token_id = eos[0] if isinstance(eos, list) else eos
-    return gen
-
-
-@torch.inference_mode()
-def run_hf(model, input_ids: torch.Tensor, gen_config: transformers.GenerationConfig, seed: int | None,
-           **assisted: Any) -> Run:
-    """transformers' `model.generate` (plain, or assisted with `assistant_model=` / `prompt_lookup_num_tokens=`) as a
-    user runs it: on the weights as loaded (a re-laid target, runtime.layout, is put back for the call, untimed)."""
-    ids = input_ids[None].to(model.device)  # [1, T]
-    if seed is not None:
-        torch.manual_seed(seed)
-    with as_loaded(model):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config, **assisted)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        seconds = time.perf_counter() - start
-    return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds)
 
 
 def hf_assisted_settings(gen_args: GenerateArguments, proposer: Proposer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -310,165 +207,38 @@ def hf_assisted_settings(gen_args: GenerateArguments, proposer: Proposer) -> tup
 # ---------------------------------------------------------------- summaries
 
 
-def _share(part: float, whole: float) -> float:
-    return part / whole if whole > 0 else 0.0
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
-
-
-def _ratio_or_none(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else _ratio(a, b)
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def efficiency(method_stats: list[GenerationStats], plain_stats: list[GenerationStats]) -> dict[str, float | None]:
-    """Time shares of the method's calls (draft, target forward, overhead = the rest of each step, prefill) and
-    the speed-up the cost model predicts from its measured tau and per-step times (`predicted_speedup`)."""
-    total = sum(s.total_time for s in method_stats)
-    steps = sum(len(s.steps) for s in method_stats)
-    plain_steps = sum(len(s.steps) for s in plain_stats)
-    tau = sum(step.accepted_length for s in method_stats for step in s.steps) / steps if steps else 1.0
-    predicted = None
-    if steps and plain_steps:
-        calls = len(method_stats)
-        predicted = predicted_speedup(
-            tau, sum(s.verify_time for s in method_stats) / steps, sum(s.draft_time for s in method_stats) / steps,
-            sum(s.verify_time for s in plain_stats) / plain_steps,
-            prefill_seconds=sum(s.prefill_time for s in method_stats) / calls,
-            plain_prefill_seconds=sum(s.prefill_time for s in plain_stats) / len(plain_stats),
-            new_tokens=(steps * tau + calls) / calls)
-    return {"draft_share": _share(sum(s.draft_time for s in method_stats), total),
-            "verify_share": _share(sum(s.verify_time for s in method_stats), total),
-            "overhead_share": _share(sum(s.overhead_time for s in method_stats), total),
-            "prefill_share": _share(sum(s.prefill_time for s in method_stats), total),
-            "predicted_speedup": predicted}
-
-
-def prompt_record(index: int, prompt_length: int, runs: dict[str, Run], greedy: bool) -> dict[str, Any]:
-    """Per-prompt JSON record from the runs of every runner on that prompt."""
-    method = runs["method"]
-    stats = method.stats
-    record: dict[str, Any] = {
-        "index": index, "prompt_tokens": prompt_length,
-        "tau": stats.tau, "steps": len(stats.steps), "stop_reason": stats.stop_reason,
-        "acceptance_per_depth": stats.acceptance_per_depth,
-        **efficiency([stats], [runs["plain"].stats] if runs["plain"].stats else []),
-    }
-    for name, run in runs.items():
-        record[name] = {"new_tokens": len(run.tokens), "seconds": run.seconds,
-                        "tokens_per_second": run.tokens_per_second}
-    record["speedup"] = _ratio(method.tokens_per_second, runs["plain"].tokens_per_second)
-    record["realised_over_predicted"] = _ratio_or_none(record["speedup"], record["predicted_speedup"])
-    record["speedup_vs_hf"] = _ratio(method.tokens_per_second, runs["hf"].tokens_per_second)
-    reference = runs["hf"].tokens
-    record["greedy_identical"] = method.tokens == reference if greedy else None
-    record["plain_identical"] = runs["plain"].tokens == reference if greedy else None
-    # the method against our plain loop on the same weights and kernels: in bfloat16 transformers' generate runs
-    # other kernels (the BLAS on the weights as loaded), so this is the identity a bf16 user can expect
-    record["identical_to_plain"] = method.tokens == runs["plain"].tokens if greedy else None
-    if "hf_assisted" in runs:
-        assisted = runs["hf_assisted"]
-        record["hf_assisted"]["speedup_vs_hf"] = _ratio(assisted.tokens_per_second, runs["hf"].tokens_per_second)
-        record["hf_assisted"]["greedy_identical"] = assisted.tokens == reference if greedy else None
-    return record
-
-
-def cpu_kind() -> str:
-    """The CPU's model name and whether the runtime treats its bf16 as native (AVX512-BF16/AMX) or not (AVX2), as
-    heads.loading.fast_bf16 decides it ($SPECHEADS_CPU_BF16 may force it), e.g. 'AMD EPYC, native bf16 (...)'."""
-    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
-                platform.processor() or platform.machine())
-    return f"{name}, {'native bf16 (AVX512-BF16/AMX)' if fast_bf16('cpu') else 'no native bf16 (AVX2)'}"
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def baseline_record(layout: str, plain_runs: list[Run], forced: dict[str, list[Run]]) -> dict[str, Any]:
     """Plain decoding on the layout in use against plain decoding on each forced layout (same prompts, same run):
     tokens/s of each, the fastest forced one, the ratio in use / fastest and whether it is within 10%, and whether
     each forced layout gave the same tokens."""
     def tps(runs: list[Run]) -> float:
-        return _ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
+        return ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
 
     by_layout = {name: {"tokens_per_second": tps(runs),
                         "identical_to_plain": all(r.tokens == p.tokens for r, p in zip(runs, plain_runs, strict=True))}
                  for name, runs in forced.items()}
     best = max(by_layout, key=lambda name: by_layout[name]["tokens_per_second"])
     in_use = tps(plain_runs)
-    ratio = _ratio(in_use, by_layout[best]["tokens_per_second"])
+    over = ratio(in_use, by_layout[best]["tokens_per_second"])
     return {"layout": layout, "tokens_per_second": in_use, "forced": by_layout, "fastest_forced": best,
-            "over_fastest_forced": ratio, "within_10_percent": ratio is not None and ratio >= 0.9}
-
-
-def overall_record(records: list[dict[str, Any]], method_stats: list[GenerationStats],
-                   plain_stats: list[GenerationStats] | None = None, dtype: str = "") -> dict[str, Any]:
-    """Totals over prompts: tau over all steps, total tokens / total time, medians of per-prompt ratios, time
-    shares and the cost model's predicted speed-up (from the plain runs' steps; None without them)."""
-    steps = sum(len(s.steps) for s in method_stats)
-    accepted = [0] * max((len(s.drafted_per_depth) for s in method_stats), default=0)
-    drafted = list(accepted)
-    for s in method_stats:
-        for d, (a, n) in enumerate(zip(s.accepted_per_depth + [0] * (len(s.drafted_per_depth) -
-                                                                    len(s.accepted_per_depth)),
-                                       s.drafted_per_depth, strict=True)):
-            accepted[d] += a
-            drafted[d] += n
-    overall: dict[str, Any] = {
-        "prompts": len(records), "dtype": dtype,
-        "tau": sum(sum(step.accepted_length for step in s.steps) for s in method_stats) / steps if steps else 1.0,
-        "acceptance_per_depth": [a / n for a, n in zip(accepted, drafted, strict=True)],
-        **efficiency(method_stats, plain_stats or []),
-    }
-    runners = [name for name in ("plain", "hf", "method", "hf_assisted") if name in records[0]]
-    for name in runners:
-        tokens = sum(r[name]["new_tokens"] for r in records)
-        seconds = sum(r[name]["seconds"] for r in records)
-        overall[name] = {"new_tokens": tokens, "seconds": seconds, "tokens_per_second": _ratio(tokens, seconds)}
-    tps = {name: overall[name]["tokens_per_second"] or 0.0 for name in runners}
-    overall["speedup_median"] = _median([r["speedup"] for r in records])
-    overall["speedup_total"] = _ratio(tps["method"], tps["plain"])
-    overall["realised_over_predicted"] = _ratio_or_none(overall["speedup_total"], overall["predicted_speedup"])
-    overall["speedup_vs_hf_median"] = _median([r["speedup_vs_hf"] for r in records])
-    overall["speedup_vs_hf_total"] = _ratio(tps["method"], tps["hf"])
-    if "hf_assisted" in overall:
-        overall["hf_assisted"]["speedup_vs_hf_median"] = _median(
-            [r["hf_assisted"]["speedup_vs_hf"] for r in records])
-        overall["hf_assisted"]["speedup_vs_hf_total"] = _ratio(tps["hf_assisted"], tps["hf"])
-        flags = [r["hf_assisted"]["greedy_identical"] for r in records]
-        overall["hf_assisted"]["greedy_identical"] = None if None in flags else all(flags)
-    for key in ("greedy_identical", "plain_identical", "identical_to_plain"):
-        flags = [r.get(key) for r in records]
-        overall[key] = None if None in flags else all(flags)
-        overall[key + "_count"] = None if None in flags else sum(flags)
-    return overall
+            "over_fastest_forced": over, "within_10_percent": over is not None and over >= 0.9}
 
 
 def oracle_rows(oracle_runs: dict[int, list[Run]], plain_runs: list[Run]) -> list[dict[str, Any]]:
     """The ceiling table: per oracle chain length, tau, tokens/s, speed-up over plain decoding (total tokens /
     total time, same prompts), the cost model's prediction and the time shares."""
-    plain_tps = _ratio(sum(len(r.tokens) for r in plain_runs), sum(r.seconds for r in plain_runs)) or 0.0
+    plain_tps = ratio(sum(len(r.tokens) for r in plain_runs), sum(r.seconds for r in plain_runs)) or 0.0
     plain_stats = [r.stats for r in plain_runs]
     rows = []
     for size, runs in oracle_runs.items():
         stats = [r.stats for r in runs]
-        tokens_per_second = _ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
+        tokens_per_second = ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs)) or 0.0
         steps = sum(len(s.steps) for s in stats)
         row = {"size": size, "tau": sum(st.accepted_length for s in stats for st in s.steps) / steps if steps else 1.0,
-               "tokens_per_second": tokens_per_second, "speedup": _ratio(tokens_per_second, plain_tps),
+               "tokens_per_second": tokens_per_second, "speedup": ratio(tokens_per_second, plain_tps),
                **efficiency(stats, plain_stats),
                "identical_to_plain": all(r.tokens == p.tokens for r, p in zip(runs, plain_runs, strict=True))}
-        row["realised_over_predicted"] = _ratio_or_none(row["speedup"], row["predicted_speedup"])
+        row["realised_over_predicted"] = ratio_or_none(row["speedup"], row["predicted_speedup"])
         row["perfect_speedup"] = perfect_speedup(size, stats, plain_stats)
         rows.append(row)
     return rows
@@ -483,20 +253,6 @@ def perfect_speedup(size: int, stats: list[GenerationStats], plain_stats: list[G
         return None
     step = plain["median_seconds"][plain["tokens"].index(1)]
     return (size + 1) * step / verify["median_seconds"][verify["tokens"].index(size + 1)]
-
-
-def verify_cost_from_steps(stats: list[GenerationStats]) -> dict[str, list[float] | list[int]]:
-    """The verify cost curve measured in the run itself: median target-forward seconds per number of forwarded
-    tokens (root + drafted nodes) over every step of `stats`, and relative to a 1-token forward."""
-    samples: dict[int, list[float]] = {}
-    for s in stats:
-        for step in s.steps:
-            samples.setdefault(step.drafted_nodes + 1, []).append(step.verify_time)
-    tokens = sorted(samples)
-    medians = [statistics.median(samples[q]) for q in tokens]
-    base = medians[0] if tokens and tokens[0] == 1 else None
-    return {"tokens": tokens, "median_seconds": medians, "steps": [len(samples[q]) for q in tokens],
-            "relative": [m / base for m in medians] if base else []}
 
 
 def spec_bench_answers(transcripts: list[tuple[Question, list[dict[str, Run]]]], runner: str, model_id: str,
@@ -523,10 +279,6 @@ def plain_answers_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}-plain{path.suffix}")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(result: dict[str, Any]) -> None:
     """Per-prompt rows and the overall row, readable in a terminal."""
     has_hf_assisted = "hf_assisted" in result["overall"]
@@ -540,11 +292,11 @@ def print_table(result: dict[str, Any]) -> None:
             assisted_speedup: float | None) -> str:
         ident = {True: "yes", False: "NO", None: "-"}[r["greedy_identical"]]
         line = (f"{label:>6} {prompt_tokens:>5} {r['method']['new_tokens']:>4} {r['tau']:>5.2f} "
-                f"{_fmt(r['plain']['tokens_per_second'], '8.1f')} {_fmt(r['hf']['tokens_per_second'], '8.1f')} "
-                f"{_fmt(r['method']['tokens_per_second'], '9.1f')} {_fmt(speedup, '7.2f')} "
-                f"{_fmt(vs_hf, '6.2f')} {ident:>5}")
+                f"{fmt(r['plain']['tokens_per_second'], '8.1f')} {fmt(r['hf']['tokens_per_second'], '8.1f')} "
+                f"{fmt(r['method']['tokens_per_second'], '9.1f')} {fmt(speedup, '7.2f')} "
+                f"{fmt(vs_hf, '6.2f')} {ident:>5}")
         if has_hf_assisted:
-            line += f" {_fmt(r['hf_assisted']['tokens_per_second'], '9.1f')} {_fmt(assisted_speedup, '9.2f')}"
+            line += f" {fmt(r['hf_assisted']['tokens_per_second'], '9.1f')} {fmt(assisted_speedup, '9.2f')}"
         return line
 
     for r in result["prompts"]:
@@ -559,13 +311,13 @@ def print_table(result: dict[str, Any]) -> None:
         b = o["baseline"]
         forced = ", ".join(f"{name} {v['tokens_per_second']:.1f}" for name, v in b["forced"].items())
         print(f"baseline: plain decoding on {b['layout']} {b['tokens_per_second']:.1f} tok/s; forced layouts: {forced} "
-              f"tok/s; in use / fastest forced ({b['fastest_forced']}) {_fmt(b['over_fastest_forced'], '.2f')}")
+              f"tok/s; in use / fastest forced ({b['fastest_forced']}) {fmt(b['over_fastest_forced'], '.2f')}")
     rates = ", ".join(f"{a:.2f}" for a in o["acceptance_per_depth"])
     print(f"method {result['config']['method']} ({o['dtype']}): tau {o['tau']:.2f}, acceptance per depth [{rates}], "
           f"greedy_identical: {o['greedy_identical']}")
-    print(f"efficiency: speed-up {_fmt(o['speedup_total'], '.2f')}, predicted {_fmt(o['predicted_speedup'], '.2f')}"
+    print(f"efficiency: speed-up {fmt(o['speedup_total'], '.2f')}, predicted {fmt(o['predicted_speedup'], '.2f')}"
           f" (cost model: whole calls from the measured prefill, tau and verify / draft / plain step times), realised/predicted "
-          f"{_fmt(o['realised_over_predicted'], '.2f')}; time shares draft {o['draft_share']:.3f} / verify "
+          f"{fmt(o['realised_over_predicted'], '.2f')}; time shares draft {o['draft_share']:.3f} / verify "
           f"{o['verify_share']:.3f} / overhead {o['overhead_share']:.3f} / prefill {o['prefill_share']:.3f}")
     cost = result.get("verify_cost", {})
     if cost.get("relative"):
@@ -582,9 +334,9 @@ def print_oracle(oracle: dict[str, Any]) -> None:
     print(f"{'chain':>5} {'tau':>6} {'tok/s':>7} {'speedup':>7} {'predicted':>9} {'real/pred':>9} {'perfect':>7} "
           f"{'draft':>6} {'overhead':>8}")
     for r in oracle["rows"]:
-        print(f"{r['size']:>5} {r['tau']:>6.2f} {r['tokens_per_second']:>7.2f} {_fmt(r['speedup'], '7.2f')} "
-              f"{_fmt(r['predicted_speedup'], '9.2f')} {_fmt(r['realised_over_predicted'], '9.2f')} "
-              f"{_fmt(r.get('perfect_speedup'), '7.2f')} {r['draft_share']:>6.3f} {r['overhead_share']:>8.3f}")
+        print(f"{r['size']:>5} {r['tau']:>6.2f} {r['tokens_per_second']:>7.2f} {fmt(r['speedup'], '7.2f')} "
+              f"{fmt(r['predicted_speedup'], '9.2f')} {fmt(r['realised_over_predicted'], '9.2f')} "
+              f"{fmt(r.get('perfect_speedup'), '7.2f')} {r['draft_share']:>6.3f} {r['overhead_share']:>8.3f}")
     if not all(r["identical_to_plain"] for r in oracle["rows"]):
         print(f"  the output left plain decoding's (a near-tie flipped in {oracle['dtype']}), so the oracle's later "
               "drafts missed and tau < chain + 1; 'perfect' = (chain + 1) x plain step / verify step is the ceiling")
@@ -593,11 +345,7 @@ def print_oracle(oracle: dict[str, Any]) -> None:
 def plot_bench(result: dict[str, Any], path: str | Path) -> None:
     """PNG (Agg): speed-up of the method and of each oracle chain length (realised bars, predicted markers),
     the method's acceptance per depth, and the verify cost curve measured in the run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     o = result["overall"]
     labels = [result["config"]["method"]] + [f"oracle {r['size']}" for r in result.get("oracle", {}).get("rows", [])]
     realised = [o["speedup_total"]] + [r["speedup"] for r in result.get("oracle", {}).get("rows", [])]
@@ -620,9 +368,7 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
     ax[2].set(xlabel="tokens per verify forward (root + drafted)", ylabel="median ms per forward",
               title="verify cost (steps of this run)")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------- main
@@ -630,14 +376,12 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
 
 def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[str, Any]:
     """Load the model(s), run every runner on every prompt (interleaved), return the JSON-ready result."""
-    from runtime.api import SpeculativeModel
-
     method = gen_args.resolved_method()
     config = gen_args.decode_config()
     questions = read_questions(bench_args.prompts, bench_args.max_prompts)
     spec = SpeculativeModel.from_args(gen_args)  # plain decoding and the method share this model (and dtype)
     tokenizer, target, proposer, model = spec.tokenizer, spec.target, spec.proposer, spec.target.model
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = dtype_name(model.dtype)
     plain = Autoregressive()
     assisted = hf_assisted_settings(gen_args, proposer) if bench_args.compare_hf else None
     greedy = config.sampling.is_greedy
@@ -646,8 +390,6 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     layout_in_use = layout_of(model)
     forced_plain: dict[str, list[Run]] = {layout: [] for layout in plain_layouts}
 
-    machine = cpu_kind()
-
     def plain_on_layouts(ids: torch.Tensor, decode: DecodeConfig) -> dict[str, Run]:
         """Plain decoding with the target's weights in each forced layout (fastest of --repeats runs), the weights
         put back in the layout in use once at the end."""
@@ -655,8 +397,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         try:
             for layout in plain_layouts:
                 set_layout(model, layout)
-                runs[layout] = min((run_ours(target, plain, ids, decode) for _ in range(bench_args.repeats)),
-                                   key=lambda run: run.seconds)
+                runs[layout] = fastest_of(bench_args.repeats, lambda: {"plain": run_ours(target, plain, ids, decode)}
+                                          )["plain"]
         finally:
             if plain_layouts:
                 set_layout(model, layout_in_use)
@@ -680,10 +422,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         return runs
 
     first = encode([{"role": "user", "content": questions[0].turns[0]}], 0)
-    if bench_args.warmup_tokens > 0:  # untimed: first calls pay for allocation and lazy initialisation
-        warmup = dataclasses.replace(config, max_new_tokens=min(bench_args.warmup_tokens, config.max_new_tokens))
-        run_all(first, warmup)
-        plain_on_layouts(first, warmup)
+    warm_up(config, bench_args.warmup_tokens, lambda short: run_all(first, short),
+            lambda short: plain_on_layouts(first, short))
     records, method_runs, plain_runs = [], [], []
     oracle_runs: dict[int, list[Run]] = {k: [] for k in oracle_sizes}
     transcripts: list[tuple[Question, list[dict[str, Run]]]] = []  # per question, the runs of each turn
@@ -695,10 +435,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         all_stats = [run.stats for run in plain_runs + method_runs + [r for runs in oracle_runs.values() for r in runs]]
         result = {
             "config": config_record,
-            "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "python": platform.python_version(), "num_threads": torch.get_num_threads(),
-                            "device": str(target.device), "machine": platform.machine(),
-                            "dtype": dtype, "weight_layout": layout_in_use, "cpu": machine},
+            "environment": environment_record(target),
             "overall": overall_record(records, [run.stats for run in method_runs], [run.stats for run in plain_runs],
                                       dtype),
             "verify_cost": verify_cost_from_steps(all_stats),
@@ -712,8 +449,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         if bench_args.answers_jsonl:
             model_id = f"{Path(gen_args.model).name}-{method}-{dtype}"
             decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
-            atomic_write_jsonl(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
-            atomic_write_jsonl(plain_answers_path(bench_args.answers_jsonl),
+            write_jsonl(bench_args.answers_jsonl, spec_bench_answers(transcripts, "method", model_id, decode))
+            write_jsonl(plain_answers_path(bench_args.answers_jsonl),
                                spec_bench_answers(transcripts, "plain", f"{Path(gen_args.model).name}-plain-{dtype}",
                                                   decode))
         return result
@@ -724,10 +461,8 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
         for turn, text in enumerate(question.turns[:bench_args.turns]):
             history.append({"role": "user", "content": text})
             ids = encode(history, i)
-            runs = run_all(ids, config)
-            for _ in range(bench_args.repeats - 1):  # keep each runner's fastest run (and its tokens and stats)
-                again = run_all(ids, config)
-                runs = {name: min(runs[name], again[name], key=lambda run: run.seconds) for name in runs}
+            # every runner --repeats times, interleaved; each one's fastest run (its tokens and stats with it)
+            runs = fastest_of(bench_args.repeats, lambda ids=ids: run_all(ids, config))
             for layout, run in plain_on_layouts(ids, config).items():
                 forced_plain[layout].append(run)
             for k in oracle_sizes:  # drafts plain decoding's own continuation: every draft token is accepted
@@ -743,10 +478,10 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
             history.append({"role": "assistant",
                             "content": tokenizer.decode(runs["plain"].tokens, skip_special_tokens=True)})
             print(f"[bench] prompt {i + 1}/{len(questions)} turn {turn + 1}: {ids.numel()} prompt tokens, tau "
-                  f"{record['tau']:.2f}, speed-up {_fmt(record['speedup'], '.2f')}, identical "
+                  f"{record['tau']:.2f}, speed-up {fmt(record['speedup'], '.2f')}, identical "
                   f"{record['greedy_identical']}", file=sys.stderr)
         transcripts.append((question, turn_runs))
-        atomic_write_json(bench_args.output_json, results())  # partial results survive an interrupted run
+        write_json(bench_args.output_json, results())  # partial results survive an interrupted run
     return results()
 
 
@@ -754,13 +489,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen_args, bench_args = parse_arguments(argv)
     torch.set_num_threads(gen_args.num_threads)
     if bench_args.batch_sizes:  # the batch bench: same outputs, its own table and plot
-        from runtime.bench_batch import plot_batches, print_batch_table, run_batch_bench
-
         run, show, plot = run_batch_bench, print_batch_table, plot_batches
     else:
         run, show, plot = run_bench, print_table, plot_bench
     result = run(gen_args, bench_args)
-    atomic_write_json(bench_args.output_json, result)
+    write_json(bench_args.output_json, result)
     show(result)
     print(f"[bench] wrote {bench_args.output_json}")
     if bench_args.plot:
@@ -773,6 +506,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)

@@ -113,7 +113,7 @@ class EagleProposer:
 
     def root_logits(self) -> Tensor | None:
         """Draft logits [Vd] of the root's children (from the output of the last committed entry), or None
-        before the first propose (runtime.calibration reads the draft's confidence from it)."""
+        before the first propose (bench.calibration reads the draft's confidence from it)."""
         return None if self._last is None else self.draft_logits(self._last)
 
     # ---- the proposer protocol -----------------------------------------------------------------------

@@ -3,7 +3,7 @@
 With greedy acceptance every drafted token is then accepted (tau = chain length + 1 except where the
 reference ends), so a run with this drafter measures the ceiling of speculative speed-up on this machine:
 what a perfect drafter of zero cost would give at each chain length, verify cost and loop overhead included.
-It cannot generate anything new; `runtime.bench --oracle_sizes 1,2,4,8,16` uses it.
+It cannot generate anything new; `bench.speed --oracle_sizes 1,2,4,8,16` uses it.
 """
 
 from __future__ import annotations

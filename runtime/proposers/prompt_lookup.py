@@ -15,7 +15,7 @@ have been accepted (the draft is free to compute, so declining to verify it lose
 
 A draft must promise REQUIRED_GAIN times a plain step's rate: the a_i are short noisy averages and a draft is
 chosen exactly when they are high, so an even bet loses on average (replayed on the target's 80 MT-Bench answers
-and on 148 held-out human answers with this CPU's measured curves, `python -m runtime.lookup_replay`: without the
+and on 148 held-out human answers with this CPU's measured curves, `python -m bench.lookup_replay`: without the
 margin and with the old prior 0.5 the lookup broke even or lost up to 1% on text that does not copy; with them it
 predicts 1.01-1.02x there, 1.14-1.18x on MT-Bench in float32, 1.04x in bf16).
 """

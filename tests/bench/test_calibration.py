@@ -1,4 +1,4 @@
-"""runtime.calibration: draft confidence per step vs acceptance, and the gated speed-up arithmetic."""
+"""bench.calibration: draft confidence per step vs acceptance, and the gated speed-up arithmetic."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from bench.calibration import confidence_bins, gated_speedup, main
 from heads import HeadsConfig, build_heads
-from runtime.calibration import confidence_bins, gated_speedup, main
 from tests.tiny_models import DATA, STORIES260K, stories260k
 
 RECORDS = [(0.95, True), (0.92, True), (0.1, False), (0.5, False), (1.0, False)]

@@ -1,4 +1,4 @@
-"""bench.kinds: per-kind runtime.bench_heads runs aggregated into one table (real bench_heads JSON shapes)."""
+"""bench.kinds: per-kind bench.drafters runs aggregated into one table (real bench.drafters JSON shapes)."""
 
 import copy
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import kinds
-from runtime import bench_heads
+from bench import drafters, kinds
+from bench.common import read_prompts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bench_heads_stories260k"  # bench_heads on stories260K, 1 prompt
 STORIES = Path("../shared/models/stories260K")
@@ -71,7 +71,7 @@ def test_unknown_config_key_names_key_and_file(tmp_path):
 
 def test_committed_config_parses():
     config = kinds.read_config("configs/bench_kinds_smollm2.yaml")
-    specs = bench_heads.parse_methods(config["methods"], "configs/bench_kinds_smollm2.yaml")
+    specs = drafters.parse_methods(config["methods"], "configs/bench_kinds_smollm2.yaml")
     assert [s.method for s in specs] == ["prompt_lookup", "heads", "hybrid"]
     assert config["max_new_tokens"] == 128 and config["max_prompts"] == 4 and config["exact"] is True
     assert set(config["kinds"]) == set(kinds.KINDS)
@@ -94,11 +94,9 @@ def test_main_runs_each_kind_and_writes_the_summary(tmp_path, capsys):
     ran = []
 
     def run_kind(path: Path) -> None:
-        run_config, specs = bench_heads.read_config(path)  # a config bench_heads itself accepts
+        run_config, specs = drafters.read_config(path)  # a config bench.drafters itself accepts
         assert [s.name for s in specs] == ["lookup3", "lookup_cost"]  # --methods picked two
         assert run_config["max_prompts"] == 2 and run_config["max_new_tokens"] == 8
-        from runtime.bench import read_prompts
-
         assert read_prompts(run_config["prompts"], 10) == [f"{path.parent.name} prompt {i}: once upon a time"
                                                            for i in range(2)]
         ran.append(path.parent.name)
@@ -131,7 +129,7 @@ def test_all_row_fastest_plain_over_kinds():
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="needs ../shared/models/stories260K")
 def test_end_to_end_on_stories260k(tmp_path, capsys):
-    """The real runtime.bench_heads, two kinds x 1 prompt x 4 new tokens on stories260K (a few seconds)."""
+    """The real bench.drafters, two kinds x 1 prompt x 4 new tokens on stories260K (a few seconds)."""
     write_kinds_file(tmp_path / "k.jsonl")
     config = tmp_path / "kinds.yaml"
     config.write_text(f"model: {STORIES}\nkinds_file: {tmp_path / 'k.jsonl'}\nmax_prompts: 1\nmax_new_tokens: 4\n"

@@ -1,4 +1,4 @@
-"""runtime.lookup_replay: prompt lookup replayed on fixed answers under greedy verification, with a cost curve."""
+"""bench.lookup_replay: prompt lookup replayed on fixed answers under greedy verification, with a cost curve."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from bench.lookup_replay import last_answer, main, replay
 from runtime.cost_model import CostCurve, save_curve
-from runtime.lookup_replay import last_answer, main, replay
 from runtime.proposers.prompt_lookup import PromptLookupProposer
 
 CPU = [1.0, 1.56, 1.7, 1.8, 1.85, 1.9, 1.95, 2.0, 2.05]  # verify cost of 1..9 tokens relative to one

@@ -1,4 +1,4 @@
-"""bench.prompt_kinds: deterministic prompt sets per kind, lengths in SmolLM2's tokenizer, rows runtime.bench reads."""
+"""bench.prompt_kinds: deterministic prompt sets per kind, lengths in SmolLM2's tokenizer, rows bench.speed reads."""
 
 import json
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from bench import prompt_kinds
+from bench.common import read_prompts
 from bench.prompt_kinds import KINDS, SUMMARY_TOKENS, build_prompts, kind_files_dir, write_prompts
-from runtime.bench import read_prompts
 
 DATA = Path("../shared/data")
 MODEL = "../shared/models/smollm2-135m-instruct"

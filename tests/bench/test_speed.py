@@ -1,4 +1,4 @@
-"""`python -m runtime.bench` end to end on stories260K (2 prompts x 20 new tokens)."""
+"""`python -m bench.speed` end to end on stories260K (2 prompts x 20 new tokens)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import json
 import pytest
 import torch
 
-from runtime.bench import main, parse_arguments, run_ours
+import bench.speed as bench
+from bench.common import run_ours
+from bench.speed import main, parse_arguments, perfect_speedup
+from heads.loading import load_model
+from runtime.config import DecodeConfig, SpeculationConfig
+from runtime.cost_model import predicted_speedup
+from runtime.loop import GenerationStats, StepStats
+from runtime.proposers import Autoregressive
+from runtime.proposers.oracle import OracleProposer
+from runtime.target import TargetModel
 from tests.tiny_models import DATA, SMOLLM2, STORIES260K
 
 PROMPTS = str(DATA / "tinystories_sample.jsonl")
@@ -88,12 +97,6 @@ def _two_turn_prompts(tmp_path) -> str:
 def test_oracle_drafter_accepts_every_token_and_reproduces_plain_decoding():
     """Drafting plain greedy decoding's own continuation: every step accepts the whole chain (tau = k + 1) except
     the last, which max_new_tokens cuts."""
-    from heads.loading import load_model
-    from runtime.config import DecodeConfig, SpeculationConfig
-    from runtime.proposers import Autoregressive
-    from runtime.proposers.oracle import OracleProposer
-    from runtime.target import TargetModel
-
     target = TargetModel(load_model(str(STORIES260K), dtype="float32"))
     prompt = torch.tensor([1, 403, 407, 261, 378], dtype=torch.long)
     plain = run_ours(target, Autoregressive(), prompt, DecodeConfig(max_new_tokens=24, eos_token_ids=()))
@@ -142,8 +145,6 @@ def test_bench_efficiency_oracle_turns_answers_and_plot(tmp_path, capsys):
 
 
 def test_unwritable_outputs_fail_before_generation(tmp_path, monkeypatch):
-    import runtime.bench as bench
-
     monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("generation started"))
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -160,8 +161,6 @@ def test_unwritable_outputs_fail_before_generation(tmp_path, monkeypatch):
 
 
 def test_predicted_speedup_is_tau_times_plain_step_over_step_time():
-    from runtime.cost_model import predicted_speedup
-
     assert predicted_speedup(3.0, verify_seconds=0.02, draft_seconds=0.01, plain_seconds=0.015) == pytest.approx(1.5)
     assert predicted_speedup(1.0, 0.0, 0.0, 0.01) is None
     # Whole calls: a 0.1 s prefill (same for both) and 11 new tokens = the prefill's token + 10 decoded ones:
@@ -198,9 +197,6 @@ def test_batch_sizes_flag_is_checked(value):
 
 
 def test_perfect_speedup_is_the_size_over_the_measured_verify_cost():
-    from runtime.bench import perfect_speedup
-    from runtime.generate import GenerationStats, StepStats
-
     def stats(verify_by_tokens):
         return [GenerationStats(steps=[StepStats(accepted_length=1, drafted_depth=n - 1, drafted_nodes=n - 1,
                                                  draft_time=0.0, verify_time=t) for n, t in verify_by_tokens])]

@@ -172,21 +172,3 @@ def test_vllm_worker_that_dies_is_one_line(prompts, tmp_path, monkeypatch, capsy
                           capsys)
     assert line.startswith(f"error: --engine vllm: the vLLM worker ({sys.executable}) exited with status 1: "
                            "RuntimeError: Unsupported CPU attention configuration (log: "), line
-
-
-
-def test_bench_runs_every_engine_on_one_job(prompts, target, tmp_path):
-    from data import bench_distill
-
-    output = tmp_path / "bench.json"
-    with serve(target) as server:
-        report = bench_distill.main(["--model", str(STORIES260K), "--prompts", prompts, "--plain_format",
-                                     "--max_prompts", "3", "--max_new_tokens", "4", "--max_length", "256",
-                                     "--batch_size", "1", "--engines", "hf,server", "--server_url", server.url,
-                                     "--output", str(output)])
-    assert json.loads(output.read_text()) == report
-    hf, served = report["results"]
-    assert (hf["engine"], served["engine"]) == ("hf", "server") and served["engine_info"]["version"] == "test-0"
-    assert hf["generated_tokens_per_second"] > 0 and served["generated_tokens_per_second"] > 0
-    assert served["vs_hf_batch_1"] == {"answers_compared": 4, "identical_answers": 4, "identical_share": 1.0,
-                                       "mean_shared_prefix": 1.0, "missing_answers": 0}

@@ -77,7 +77,7 @@ fi
 # the step fails only when the vllm engine fails to run.
 distill_prompts="${ENGINE_CHECK_DISTILL_PROMPTS:-4}"
 set +e
-"$PYTHON" -m data.bench_distill --engines hf,vllm --vllm_python "$VENV/bin/python" --dtypes float32 \
+"$PYTHON" -m bench.distill --engines hf,vllm --vllm_python "$VENV/bin/python" --dtypes float32 \
     --prompts ../shared/data/mt_bench_question.jsonl --max_prompts "$distill_prompts" --max_new_tokens 32 \
     --max_length 1024 --batch_size 4 --shard_size 4 --output "$WORK/distill_engines.json" >"$WORK/distill.log" 2>&1
 distill_status=$?

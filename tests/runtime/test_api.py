@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.api import SpecGenerationConfig, SpeculativeModel
-from runtime.generate import GenerationStats
+from runtime.loop import GenerationStats
 from runtime.planner import BatchPlanner, DraftProfile
 from tests.tiny_models import STORIES260K
 
@@ -78,22 +78,6 @@ def test_planner_turns_drafting_down_as_the_batch_fills():
     assert planner(4) == [sizes[4]] * 4
     table = planner.table([1, 64])
     assert table[1]["size"] == 0 and table[0]["expected_tokens_per_second"] > table[0]["plain_tokens_per_second"]
-
-
-def test_profile_from_measured_acceptance():
-    """A drafter without held-out accuracy (prompt lookup, draft model): tau(n) = 1 + sum of the measured
-    per-depth acceptance up to n, draft time = the measured mean per step."""
-    from runtime.bench_batch import profile_from_stats
-    from runtime.generate import StepStats
-
-    stats = GenerationStats()
-    for accepted in (3, 1, 2, 1):  # tokens emitted per step (bonus included), chains of 2 drafted every step
-        stats.record(StepStats(accepted_length=accepted, drafted_depth=2, drafted_nodes=2, draft_time=0.01,
-                               verify_time=0.1))
-    profile = profile_from_stats([stats], 3, "test")
-    assert profile.sizes == [1, 2, 3]
-    assert profile.expected_tau == pytest.approx([1.5, 1.75, 1.75])  # depth 1: 2/4 accepted, depth 2: 1/4
-    assert profile.draft_seconds == pytest.approx([0.01] * 3)
 
 
 def test_batched_heads_with_the_planner_equal_plain_greedy(tmp_path, monkeypatch, capsys):

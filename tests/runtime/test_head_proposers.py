@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from heads import HeadsConfig, build_heads
-from heads.vocab import build_vocab_mapping, draft_target_ids
+from heads.draft_vocab import build_vocab_mapping, draft_target_ids
 from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.cost_model import CostCurve, StepCosts
-from runtime.generate import GenerationStats, generate
+from runtime.loop import GenerationStats, generate
 from runtime.proposers.base import Draft
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
@@ -441,38 +441,6 @@ def test_bad_options():
         MTPProposer(make_heads("mtp", model), model, 5)
 
 
-# ------------------------------------------------------------------------------- sparse-tree measurement
-
-def test_measured_accuracy_table():
-    from runtime.tree_search import measure_accuracy_table
-
-    model, sigma = perm_target("llama")
-    prompt = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(3))
-    sequence = torch.cat([prompt, reference(model, prompt, 40)])
-    good = measure_accuracy_table(model, make_heads("medusa", model, sigma), [(sequence, 10)], top_k=4)
-    bad = measure_accuracy_table(model, make_heads("medusa", model), [(sequence, 10)], top_k=4)
-    assert len(good) == 4 and all(len(row) == 4 and sum(row) <= 1 + 1e-9 for row in good)
-    assert min(row[0] for row in good) > 0.8 and max(row[0] for row in bad) < 0.2
-
-
-def test_tree_search_cli(tmp_path):
-    import json
-
-    from runtime.tree_search import main
-
-    model = stories260k()
-    config = HeadsConfig.for_target("medusa", model, str(STORIES260K), medusa_num_heads=3)
-    build_heads(config).save_pretrained(tmp_path / "heads")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Once upon a time", "Lily saw a dog"]))
-    out = tmp_path / "tree.yaml"
-    main(["--model", str(STORIES260K), "--heads", str(tmp_path / "heads"),
-          "--prompts", str(prompts), "--num_nodes", "10", "--max_new_tokens", "20", "--top_k", "4",
-          "--output", str(out)])
-    tree = load_tree_file(out, num_heads=3)
-    assert tree.tree.num_nodes == 11 and out.read_text().startswith("# python -m runtime.tree_search --model")
-
-
 def test_medusa_shared_lm_head_and_shallow_tree():
     model, sigma = perm_target("llama")
     heads = make_heads("medusa", model, medusa_shared_lm_head=True, medusa_num_heads=3)
@@ -530,100 +498,6 @@ def test_greedy_identical_other_architectures(arch, name):
         assert stats.tau > 1.6
 
 
-def test_bench_heads_compares_methods(tmp_path, monkeypatch):
-    import json
-
-    from runtime.bench_heads import main
-
-    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))  # prompt lookup by cost measures a verify curve
-
-    model = stories260k()
-    for kind in ("medusa", "eagle"):
-        build_heads(HeadsConfig.for_target(kind, model, str(STORIES260K), medusa_num_heads=3)).save_pretrained(
-            tmp_path / kind)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
-    config = tmp_path / "bench.yaml"
-    config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 1\nmax_new_tokens: 24\n"
-                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nrepeats: 2\nmethods:\n"
-                      f"  - {{name: pl, method: prompt_lookup}}\n"
-                      f"  - {{name: pl_auto, method: prompt_lookup, num_speculative_tokens: auto}}\n"
-                      f"  - {{name: pl_cost, method: prompt_lookup, num_speculative_tokens: cost}}\n"
-                      f"  - {{name: medusa3, heads: {tmp_path / 'medusa'}, tree_size: 3}}\n"
-                      f"  - {{name: eagle2, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, tree_top_k: 2}}\n"
-                      f"  - {{name: hybrid, method: hybrid, heads: {tmp_path / 'eagle'}, tree_size: 4, tree_depth: 2, "
-                      f"tree_top_k: 2}}\n")
-    payload = main(["--config", str(config), "--output_dir", str(tmp_path / "elsewhere")])  # flag beats config
-    assert [m["method"] for m in payload["methods"]] == ["pl", "pl_auto", "pl_cost", "medusa3", "eagle2", "hybrid"]
-    assert all(m["greedy_identical"] for m in payload["methods"])
-    assert not (tmp_path / "out").exists()
-    detail = json.loads((tmp_path / "elsewhere" / "medusa3.json").read_text())
-    assert detail["config"]["size"] == 3 and len(detail["prompts"]) == 1
-    config.write_text(config.read_text().replace("tree_top_k: 2", "tree_top_k: 2, depth: 3"))
-    with pytest.raises(ValueError, match="unknown key"):
-        main(["--config", str(config)])
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("bench_heads_*.yaml")))
-def test_bench_heads_configs_parse(name):
-    """Every committed bench config has only known keys and valid methods, and the tree files it names exist."""
-    from pathlib import Path
-
-    from runtime.bench_heads import read_config
-
-    config, specs = read_config(REPO / "configs" / name)
-    assert specs and config["methods"]
-    for spec in specs:
-        if spec.options.tree:
-            assert (REPO / spec.options.tree).is_file() or Path(spec.options.tree).is_file(), spec.options.tree
-
-
-def test_bench_heads_config_errors_name_the_flag(tmp_path):
-    from runtime.bench_heads import read_config
-
-    with pytest.raises(FileNotFoundError, match="--config"):
-        read_config(tmp_path / "missing.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("- just\n- a list\n")
-    with pytest.raises(ValueError, match="--config .*expected a mapping"):
-        read_config(bad)
-    bad.write_text("methods: []\n")
-    with pytest.raises(ValueError, match="non-empty list"):
-        read_config(bad)
-
-
-def test_bench_heads_resumes_from_its_state(tmp_path, capsys):
-    """A cut run keeps its prompts: a rerun reads them back (same numbers) and measures only the rest; a state of
-    another configuration is not mixed in."""
-    import json
-
-    from runtime.bench_heads import STATE_FILE, main
-
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "The cat sat")))
-    config = tmp_path / "bench.yaml"
-    config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 2\nmax_new_tokens: 12\n"
-                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 4\nmethods:\n"
-                      f"  - {{name: pl, method: prompt_lookup}}\n")
-    main(["--config", str(config)])
-    state_path = tmp_path / "out" / STATE_FILE
-    state = json.loads(state_path.read_text())
-    first = state["records"]["pl"][0]
-    cut = {**state, "records": {"pl": state["records"]["pl"][:1]}, "stats": {"pl": state["stats"]["pl"][:1]},
-           "plain_stats": state["plain_stats"][:1]}  # as if killed after the first prompt
-    state_path.write_text(json.dumps(cut))
-    capsys.readouterr()
-    payload = main(["--config", str(config)])
-    assert "resuming: 1 of 2 prompts" in capsys.readouterr().err
-    detail = json.loads((tmp_path / "out" / "pl.json").read_text())
-    assert payload["prompts"] == 2 and detail["prompts"][0] == first  # read back, not measured again
-    assert detail["prompts"][1]["index"] == 1 and detail["prompts"][1]["greedy_identical"]
-    config.write_text(config.read_text().replace("max_new_tokens: 12", "max_new_tokens: 10"))
-    main(["--config", str(config)])
-    assert "another configuration: starting over" in capsys.readouterr().err
-    assert all(p["plain"]["new_tokens"] == 10 for p in json.loads((tmp_path / "out" / "pl.json").read_text())["prompts"])
-
-
 def test_eagle_auto_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     model, sigma = perm_target("llama")
@@ -677,8 +551,8 @@ def test_typical_acceptance_with_heads(name):
 
 def test_generate_cli_with_heads(tmp_path, capsys):
     """`python -m runtime.generate --heads DIR` picks the proposer from the head config (flags plumbed)."""
+    from runtime.cli import main
     from runtime.config import GenerateArguments
-    from runtime.generate import main
 
     model = stories260k()
     build_heads(HeadsConfig.for_target("eagle", model, str(STORIES260K))).save_pretrained(tmp_path / "eagle")

@@ -13,7 +13,6 @@ from runtime.tree_search import (
     grow_tree,
     load_tree_file,
     static_tree,
-    write_tree_file,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,15 +59,6 @@ def test_greedy_is_optimal_against_brute_force():
 
 def test_full_tree_is_exhausted():
     assert len(grow_tree([[0.5, 0.5], [0.5]], 100)) == 4  # 2 + 2*1
-
-
-def test_tree_file_round_trip(tmp_path):
-    f = tmp_path / "t.yaml"
-    write_tree_file(f, grow_tree(TABLE, 6), "python -m runtime.tree_search ...", accuracy=TABLE)
-    text = f.read_text()
-    assert text.startswith("# python -m runtime.tree_search")
-    st = load_tree_file(f, num_heads=3, vocab_size=10)
-    assert st.tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
 
 
 @pytest.mark.parametrize("body, kwargs, message", [

@@ -20,7 +20,7 @@ start=$(date +%s)
 "${launch[@]}" training/train_heads.py --config configs/eagle_smollm2_main.yaml --dataset "$out/distill" \
     --features "$out/features" --output_dir "$out/run" --heads_dir "$out/heads" --num_epochs 1 --max_steps 2 \
     --eval_samples 2 --save_steps 0 --draft_vocab_size 512 --per_device_batch_size 2
-python -m runtime.bench --config configs/bench_smollm2_eagle.yaml --heads "$out/heads" --max_prompts 1 \
+python -m bench.speed --config configs/bench_smollm2_eagle.yaml --heads "$out/heads" --max_prompts 1 \
     --max_new_tokens 16 --warmup_tokens 4 --output_json "$out/bench.json"
 python - "$out/bench.json" <<'PY'
 import json, sys
