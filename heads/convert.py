@@ -3,6 +3,13 @@
     python -m heads.convert --source DIR --base_model MODEL --output_dir OUT [--base_model_revision REV]
 
 Recognised layouts (detected from config.json and tensor names; see heads/FORMATS.md):
+- speculators (vLLM's format, `speculators_model_type` in config.json; heads/speculators.py): eagle3 with
+  `layers.0.*`, `fc`, `norm`, `lm_head`, `d2t`/`t2d`; geometry from `transformer_layer_config`; ids from
+  `eagle_aux_hidden_state_layer_ids` (hidden_states indices). Other speculators_model_types and norm flags our
+  head does not compute are refused.
+- SpecForge output (`specforge/export/to_sglang.py`: `LlamaForCausalLMEagle3`, `midlayer.*`, no embedding) and
+  the EAGLE-3 reference: the EAGLE-3 rules below (`model.safetensors`, sharded `model.safetensors.index.json`, or
+  `pytorch_model.bin`).
 - Medusa, FasterDecoding/TGI: `medusa_num_heads`, `medusa_num_layers`; medusa_lm_head.safetensors (or .pt)
   with `{h}.{l}.linear.weight/bias`, `{h}.{L}.weight` (absent -> shared target LM head).
 - Medusa, vLLM: `num_heads`, `num_hidden_layers`; `blocks.{h}.layers.{l}.weight/bias`, `lm_heads.{h}.weight`.
@@ -25,12 +32,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import AutoConfig
 
+from heads import speculators
 from heads.base import HeadsModule
 from heads.checkpoint import build_heads, check_state, file_to_module_names, read_safetensors, save_heads
-from heads.cli import parse_flags
+from heads.cli import parse_flags, run_cli
 from heads.config import HeadsConfig
-from heads.vocab import validate_vocab_mapping
+from heads.draft_vocab import validate_vocab_mapping
+from heads.loading import model_path
 
 _LAYER_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                "max_position_embeddings")
@@ -49,6 +59,16 @@ def read_source_tensors(source: Path) -> dict[str, Tensor]:
     for name in ("model.safetensors", "medusa_lm_head.safetensors"):
         if (source / name).is_file():
             return read_safetensors(source / name)
+    index = source / "model.safetensors.index.json"
+    if index.is_file():  # sharded save_pretrained output
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index (expected a weight_map): {err}") from err
+        tensors: dict[str, Tensor] = {}
+        for shard in shards:
+            tensors.update(read_safetensors(source / shard))
+        return tensors
     for name in ("pytorch_model.bin", "medusa_lm_head.pt"):
         if (source / name).is_file():
             try:
@@ -61,7 +81,9 @@ def read_source_tensors(source: Path) -> dict[str, Tensor]:
 
 
 def detect_layout(source_config: dict, tensors: dict[str, Tensor]) -> str:
-    """One of 'medusa_fasterdecoding', 'medusa_vllm', 'eagle3', 'eagle'."""
+    """One of 'speculators', 'medusa_fasterdecoding', 'medusa_vllm', 'eagle3', 'eagle'."""
+    if "speculators_model_type" in source_config or "speculators_config" in source_config:
+        return "speculators"
     if "medusa_num_heads" in source_config:
         return "medusa_fasterdecoding"
     if any(k.startswith("blocks.") for k in tensors) and any(k.startswith("lm_heads.") for k in tensors):
@@ -97,10 +119,27 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
     config_path = source / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"--source {source}: missing config.json")
-    source_config = json.loads(config_path.read_text())
+    try:
+        source_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--source {source}: config.json is not valid JSON ({err})") from err
+    if "speculators_model_type" in source_config or "speculators_config" in source_config:
+        layer = speculators.check_source_config(source_config, str(source))  # before reading weights: one line
     tensors = read_source_tensors(source)
     tensors.pop("embed_tokens.weight", None)
     layout = detect_layout(source_config, tensors)
+    if layout == "speculators":
+        target_hidden = int(source_config.get("target_hidden_size") or layer.get("hidden_size", 0))
+        vocab = int(getattr(target_config, "get_text_config", lambda: target_config)().vocab_size)
+        if int(layer.get("vocab_size", vocab)) != vocab:
+            raise ValueError(f"--source {source}: transformer_layer_config vocab_size {layer['vocab_size']} is not "
+                             f"the target's vocabulary ({vocab})")
+        # The draft layer's keys are those of an EAGLE-3 config.json; the target geometry is checked below.
+        source_config = {**layer, "draft_vocab_size": source_config.get("draft_vocab_size"),
+                         "eagle_aux_hidden_state_layer_ids": source_config.get("eagle_aux_hidden_state_layer_ids"),
+                         "target_hidden_size": target_hidden}
+        tensors = speculators.from_file_names(tensors, str(source))
+        layout = "eagle3"
     common = dict(base_model_revision=base_model_revision or None)
     num_layers = getattr(target_config, "get_text_config", lambda: target_config)().num_hidden_layers
 
@@ -179,10 +218,6 @@ def main(argv: list[str] | None = None) -> None:
     flags = parse_flags(ConvertFlags, argv)
     if not flags.source or not flags.base_model or not flags.output_dir:
         raise ValueError("--source, --base_model and --output_dir are required")
-    from transformers import AutoConfig
-
-    from heads.loading import model_path
-
     target_config = AutoConfig.from_pretrained(model_path(flags.base_model),
                                                revision=flags.base_model_revision or None)
     heads = import_checkpoint(flags.source, target_config, flags.base_model, flags.base_model_revision or None)
@@ -191,6 +226,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from heads.cli import run_cli
-
     run_cli(main)
