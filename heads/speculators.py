@@ -121,6 +121,9 @@ def check_source_config(data: dict[str, Any], source: str) -> dict[str, Any]:
         if bool(data.get(key, ours)) != ours:
             raise ValueError(f"--source {source}: {key} is {data[key]!r}; our EAGLE-3 head computes {key}={ours} "
                              "and cannot represent this checkpoint")
+    if data.get("embed_requires_grad"):
+        raise ValueError(f"--source {source}: embed_requires_grad is true: the checkpoint trained its own embedding, "
+                         "and our EAGLE-3 heads always read the target's (importing would change the draft)")
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"--source {source}: transformer_layer_config num_hidden_layers "
                          f"{layer['num_hidden_layers']}: only one-layer EAGLE-3 drafts are supported")

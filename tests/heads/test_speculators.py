@@ -155,6 +155,7 @@ def test_speculators_full_vocabulary_ships_no_mapping(target, tmp_path):
     (lambda c: c.update(norm_before_residual=True), "norm_before_residual is True; our EAGLE-3 head computes"),
     (lambda c: c.pop("norm_before_residual"), "no norm_before_residual; vLLM reads that as true"),
     (lambda c: c.update(norm_before_fc=True), "norm_before_fc is True"),
+    (lambda c: c.update(embed_requires_grad=True), "embed_requires_grad is true: the checkpoint trained its own"),
 ])
 def test_speculators_import_refusals(saved, target, tmp_path, capsys, edit, message):
     out = export_heads(saved, "speculators", tmp_path / "x")
@@ -247,3 +248,19 @@ def test_reduced_vocabulary_note_printed_for_engines_drafting_all_tokens(target,
     printed = capsys.readouterr().out
     assert "note: these heads draft over a reduced vocabulary in specheads (64 of 256 tokens)" in printed
     assert "sglang drafts over all 256 tokens" in printed
+
+
+def test_speculators_library_reads_export(saved, tmp_path):
+    """Where the speculators package is installed: its own config class and EAGLE-3 model take our export (only the
+    embedding and the verifier copies, which it ignores on load, are absent)."""
+    library = pytest.importorskip("speculators")
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    out = export_heads(saved, "speculators", tmp_path / "x")
+    config = library.SpeculatorModelConfig.from_pretrained(str(out))
+    assert config.speculators_model_type == "eagle3" and config.norm_before_residual is False
+    expected = Eagle3DraftModel(config).state_dict()
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(expected) - set(tensors) == {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    assert set(tensors) <= set(expected)
+    assert all(tuple(expected[k].shape) == tuple(t.shape) for k, t in tensors.items())
