@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                     max_speculative_tokens=max(built.size, 1))
         built_info[spec.name] = {"description": built.description, "size": built.size, "notes": built.notes,
                                  "auto_rows": built.plan.rows if built.plan else None}
-        print(f"[bench_heads] {spec.name}: {built.description}", file=sys.stderr)
+        print(f"[drafters] {spec.name}: {built.description}", file=sys.stderr)
     gen_config = hf_generation_config(model, decode)
 
     def limited(config: DecodeConfig, name: str) -> DecodeConfig:
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "speculation": {n: dataclasses.asdict(v) for n, v in speculations.items()}}
     done = resume_state(output_dir / STATE_FILE, run_key, records, stats, plain_stats)
     if done:
-        print(f"[bench_heads] resuming: {done} of {len(encoded)} prompts read back from {output_dir / STATE_FILE}",
+        print(f"[drafters] resuming: {done} of {len(encoded)} prompts read back from {output_dir / STATE_FILE}",
               file=sys.stderr)
     def write_results() -> dict[str, Any]:
         """Per-method JSON and summary.json over the prompts done so far (rewritten after every prompt)."""
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             records[name].append(prompt_record(i, ids.numel(), {"plain": plain, "hf": hf, "method": run}, True))
             stats[name].append(run.stats)
             r = records[name][-1]
-            print(f"[bench_heads] prompt {i + 1}/{len(encoded)} {name}: tau {r['tau']:.2f}, speed-up "
+            print(f"[drafters] prompt {i + 1}/{len(encoded)} {name}: tau {r['tau']:.2f}, speed-up "
                   f"{r['speedup']:.2f}, identical {r['greedy_identical']}", file=sys.stderr)
         write_results()
     payload = write_results()
@@ -246,7 +246,7 @@ def resume_state(path: Path, run_key: dict[str, Any], records: dict[str, list], 
         return 0
     state = json.loads(path.read_text())
     if state.get("run") != json.loads(json.dumps(run_key)):
-        print(f"[bench_heads] {path} is from another configuration: starting over", file=sys.stderr)
+        print(f"[drafters] {path} is from another configuration: starting over", file=sys.stderr)
         return 0
     for name in records:
         records[name].extend(state["records"][name])

@@ -44,14 +44,14 @@ DEFAULT_KINDS_FILE = "outputs/prompts/kinds.jsonl"
 # ---------------------------------------------------------------- configuration
 
 
-def bench_heads_keys() -> set[str]:
+def drafters_keys() -> set[str]:
     """The run keys bench.drafters accepts in its config (read from it, so they follow its changes)."""
     return set(drafters.RUN_KEYS)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The kinds config -> dict; unknown keys (not bench.drafters' nor kinds_file/kinds) raise naming key and file."""
-    config = read_config_mapping(path, bench_heads_keys() | KIND_KEYS)
+    config = read_config_mapping(path, drafters_keys() | KIND_KEYS)
     if "methods" not in config:
         raise ValueError(f"--config {path}: 'methods' is missing (a list of bench.drafters methods)")
     return config
@@ -103,7 +103,7 @@ def kind_configs(config: dict[str, Any], rows: dict[str, list[dict[str, Any]]], 
     return paths
 
 
-def run_bench_heads(config: Path) -> Any:
+def run_drafters(config: Path) -> Any:
     """bench.drafters on one kind's config, in this process."""
     return drafters.main(["--config", str(config)])
 
@@ -205,7 +205,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- command
 
 
-def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_bench_heads) -> dict[str, Any]:
+def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_drafters) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.error = raise_flag_error
     parser.add_argument("--config", required=True, help="bench.drafters keys plus kinds_file / kinds")
