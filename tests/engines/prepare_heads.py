@@ -17,6 +17,7 @@ per step): vLLM loads it the way `vllm serve DIR` does, `LLM(model=DIR)`, with n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -129,10 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from heads.export import main as export_main
     from heads.loading import load_model, load_tokenizer, model_path
-    from runtime.config import DecodeConfig, SpeculationConfig
     from runtime.build import encode_prompt
+    from runtime.config import DecodeConfig, HeadsOptions, SpeculationConfig
     from runtime.loop import GenerationStats, generate
-    from runtime.proposers.factory import HeadsOptions, proposer_from_heads
+    from runtime.proposers.factory import proposer_from_heads
     from runtime.sampling import SamplingConfig
     from runtime.target import TargetModel
 
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             exported = out / "speculators"
             export_main(["--heads", str(heads_dir), "--to", "speculators", "--output_dir", str(exported),
                          "--verifier", str(base), "--speculative_tokens", str(flags.chain)])
+            traps = write_traps(exported, out)
         else:
             exported = out / "vllm"
             export_main(["--heads", str(heads_dir), "--to", "vllm", "--output_dir", str(exported)])
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             outputs, accepted = ours[str(heads_dir)]
             plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
                                    "ours_accepted_per_pos": accepted}
+            if kind == "speculators":
+                plan["kinds"][kind]["traps"] = traps
             print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
             continue
         options = HeadsOptions(tree_size=str(flags.chain), eagle_tree="static", allow_off=False)
@@ -190,12 +194,35 @@ def main(argv: list[str] | None = None) -> None:
         ours[str(heads_dir)] = outputs, accepted
         plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
                                "ours_accepted_per_pos": accepted}
+        if kind == "speculators":
+            plan["kinds"][kind]["traps"] = traps
         if kind == "eagle":  # the SGLang export (fc.bias shipped) must be refused by vLLM, not silently misloaded
             export_main(["--heads", str(heads_dir), "--to", "sglang", "--output_dir", str(out / "sglang")])
             plan["kinds"][kind]["wrong_engine_export"] = str(out / "sglang")
         print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
     print(f"[ours] plan -> {work / 'plan.json'}")
+
+
+def write_traps(exported: Path, out: Path) -> dict[str, str]:
+    """Two copies of the speculators export, each with one key as a careless exporter writes it: vLLM must still
+    give plain vLLM's output, and its acceptance shows whether these heads can tell the key's meaning apart.
+
+    - `norm_before_residual absent`: vLLM's reader then uses true (ours computes false);
+    - `aux ids as layer outputs`: eagle_aux_hidden_state_layer_ids minus one (SGLang's "output of layer k" ids)
+      where vLLM means hidden_states indices."""
+    traps = {}
+    for name, edit in (("norm_before_residual absent", lambda c: c.pop("norm_before_residual")),
+                       ("aux ids as layer outputs", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[
+                           i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]))):
+        directory = out / ("trap_" + name.split()[0])
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.copytree(exported, directory)
+        config = json.loads((directory / "config.json").read_text())
+        edit(config)
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        traps[name] = str(directory)
+    return traps
 
 
 def write_chain_tree(out: Path, chain: int) -> Path:

@@ -92,6 +92,13 @@ def main(plan_path: str) -> int:
                      f"acceptance per position (chain {chain}) ours {ours} vs vLLM {accepted}: "
                      f"{'equal' if same_acceptance else 'DIFFERENT'} / tokens equal to our runtime: "
                      f"{'yes' if same_as_ours else 'no'}")
+        for name, directory in entry.get("traps", {}).items():  # a key written carelessly: lossless, but drafts differ
+            trap_outputs, trap_accepted = run_engine(directory, prompts, max_tokens, None)
+            failed |= trap_outputs != plain
+            differs = trap_accepted != ours
+            lines.append(f"{kind} with {name}: output identical to plain vLLM: "
+                         f"{'yes' if trap_outputs == plain else 'NO'} / acceptance per position vLLM {trap_accepted} "
+                         f"vs ours {ours}: {'differs (the key as written matters)' if differs else 'same (these heads do not tell)'}")
         if "wrong_engine_export" in entry:  # another engine's export must fail to load, not misload silently
             config["model"] = entry["wrong_engine_export"]
             try:
