@@ -13,8 +13,9 @@ one), interleaved and after one warm-up pass of every runner:
      (`assistant_model=` for draft_model, `prompt_lookup_num_tokens=` for prompt_lookup).
 The JSON (written atomically) holds per-prompt and overall tau (mean accepted length per step, bonus
 included), tokens/s of every runner, speed-ups (median over prompts and total tokens / total time),
-acceptance per draft depth, draft / verify / prefill time shares and `greedy_identical` (the method's tokens
-equal `model.generate(do_sample=False)` token for token; null when sampling). Timings are wall clock on a
+acceptance per draft depth, draft / verify / prefill time shares, `identical_to_plain` (the method's tokens equal
+our plain loop's, in any dtype: the promise) and `greedy_identical` (they equal `model.generate(do_sample=False)`,
+a float32 property: in bfloat16 transformers' kernels round differently from ours); null when sampling. Timings are wall clock on a
 possibly shared machine: compare ratios measured in the same run, not absolute numbers across runs
 (`--repeats R` runs every runner R times per prompt, interleaved, and keeps the fastest run of each).
 `--config bench.yaml` gives defaults (keys = flag names), flags override it.
@@ -283,18 +284,19 @@ def print_table(result: dict[str, Any]) -> None:
     """Per-prompt rows and the overall row, readable in a terminal."""
     has_hf_assisted = "hf_assisted" in result["overall"]
     head = f"{'prompt':>6} {'p_tok':>5} {'new':>4} {'tau':>5} {'plain/s':>8} {'hf/s':>8} {'method/s':>9} " \
-           f"{'speedup':>7} {'vs_hf':>6} {'ident':>5}"
+           f"{'speedup':>7} {'vs_hf':>6} {'=plain':>6} {'=gen':>5}"
     if has_hf_assisted:
         head += f" {'hf_asst/s':>9} {'hf_asst_x':>9}"
     print(head)
 
     def row(label: str, prompt_tokens: str, r: dict[str, Any], speedup: float | None, vs_hf: float | None,
             assisted_speedup: float | None) -> str:
-        ident = {True: "yes", False: "NO", None: "-"}[r["greedy_identical"]]
+        same = {True: "yes", False: "NO", None: "-"}
+        ident = f"{same[r['identical_to_plain']]:>6} {same[r['greedy_identical']]:>5}"
         line = (f"{label:>6} {prompt_tokens:>5} {r['method']['new_tokens']:>4} {r['tau']:>5.2f} "
                 f"{fmt(r['plain']['tokens_per_second'], '8.1f')} {fmt(r['hf']['tokens_per_second'], '8.1f')} "
                 f"{fmt(r['method']['tokens_per_second'], '9.1f')} {fmt(speedup, '7.2f')} "
-                f"{fmt(vs_hf, '6.2f')} {ident:>5}")
+                f"{fmt(vs_hf, '6.2f')} {ident}")
         if has_hf_assisted:
             line += f" {fmt(r['hf_assisted']['tokens_per_second'], '9.1f')} {fmt(assisted_speedup, '9.2f')}"
         return line
@@ -314,7 +316,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"tok/s; in use / fastest forced ({b['fastest_forced']}) {fmt(b['over_fastest_forced'], '.2f')}")
     rates = ", ".join(f"{a:.2f}" for a in o["acceptance_per_depth"])
     print(f"method {result['config']['method']} ({o['dtype']}): tau {o['tau']:.2f}, acceptance per depth [{rates}], "
-          f"greedy_identical: {o['greedy_identical']}")
+          f"identical to our plain loop: {o['identical_to_plain']}, to transformers' generate (greedy_identical): "
+          f"{o['greedy_identical']}")
     print(f"efficiency: speed-up {fmt(o['speedup_total'], '.2f')}, predicted {fmt(o['predicted_speedup'], '.2f')}"
           f" (cost model: whole calls from the measured prefill, tau and verify / draft / plain step times), realised/predicted "
           f"{fmt(o['realised_over_predicted'], '.2f')}; time shares draft {o['draft_share']:.3f} / verify "
@@ -479,7 +482,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
                             "content": tokenizer.decode(runs["plain"].tokens, skip_special_tokens=True)})
             print(f"[bench] prompt {i + 1}/{len(questions)} turn {turn + 1}: {ids.numel()} prompt tokens, tau "
                   f"{record['tau']:.2f}, speed-up {fmt(record['speedup'], '.2f')}, identical "
-                  f"{record['greedy_identical']}", file=sys.stderr)
+                  f"{record['identical_to_plain']} (to generate {record['greedy_identical']})", file=sys.stderr)
         transcripts.append((question, turn_runs))
         write_json(bench_args.output_json, results())  # partial results survive an interrupted run
     return results()

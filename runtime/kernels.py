@@ -165,6 +165,96 @@ int panel_linear(const void *x, long M, long K, const void *panels, int weight_b
   free(xs); free(ys);
   return 0;
 }
+
+/* Attention of a few query rows, each row on its own: for every (batch, query row, head) the allowed keys are visited
+   in increasing slot order; score = (q . k) * scale with q . k summed in float32 sequentially over the head dimension
+   (8 keys at a time, one per vector lane); softmax in float32 (max; exp by one fixed polynomial; the sum in slot
+   order); out = sum of p * v in slot order (8 lanes of the head dimension at a time), divided by the sum. A row's
+   result depends only on its query and the ordered list of keys/values it attends to: not on the other rows, their
+   masks or where masked slots sit. The query heads of one KV head share its keys and values, widened to float32
+   (keys transposed) once per call. q [B, Hq, Q, D], k [B, Hkv, L, D], v [B, Hkv, L, DV] (strides in elements, the
+   last dimension contiguous), allowed [B, Q, L] bytes, out float32 [B, Q, Hq, DV]. Returns -1 when out of memory. */
+typedef int i8 __attribute__((vector_size(32)));
+static inline v8 select8(i8 m, v8 a, v8 b) {  /* a where m, else b */
+  i8 ai, bi; memcpy(&ai, &a, 32); memcpy(&bi, &b, 32);
+  i8 r = (m & ai) | (~m & bi); v8 o; memcpy(&o, &r, 32); return o;
+}
+static inline v8 exp8(v8 x) {  /* e^x for x <= 0 (0 below -87.3): 2^n * P(r), n = round(x / ln 2), |r| <= ln2/2 */
+  const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f}, zero = {0, 0, 0, 0, 0, 0, 0, 0};
+  i8 under = x < lo;
+  x = select8(under, lo, select8(x > zero, zero, x));
+  i8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i8);  /* x <= 0: truncation rounds half down */
+  v8 nf = __builtin_convertvector(n, v8);
+  v8 r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f; y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f; y = y * r + 5.0000001201e-1f; y = (y * r) * r + r + 1.0f;
+  i8 bits = (n + 127) << 23;
+  v8 pow2; memcpy(&pow2, &bits, 32);
+  return select8(under, zero, y * pow2);
+}
+static void widen_row(const void *src, long offset, long D, int is_bf16, float *dst) {
+  if (!is_bf16) { memcpy(dst, (const float *)src + offset, sizeof(float) * D); return; }
+  const bf16 *h = (const bf16 *)src + offset;
+  long d = 0;
+  for (; d + 8 <= D; d += 8) { v8 w = load_bf16(h + d); memcpy(dst + d, &w, 32); }
+  for (; d < D; d++) dst[d] = widen(h[d]);
+}
+int row_attention(const void *q, long qsb, long qsh, long qst, const void *k, const void *v, long ksb, long ksh,
+                  long kst, long vsb, long vsh, long vst, int is_bf16, const unsigned char *allowed, long B, long Hq,
+                  long Hkv, long Q, long L, long D, long DV, float scale, float *out, int threads) {
+  long group = Hq / Hkv, tasks = B * Hkv, LP = (L + 7) / 8 * 8, DP = (DV + 7) / 8 * 8;
+  int failed = 0;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (long task = 0; task < tasks; task++) {
+    long b = task / Hkv, g = task % Hkv;
+    float *kt = calloc(D * LP, sizeof(float)), *vf = calloc(L * DP, sizeof(float));
+    float *row = calloc(D > DP ? D : DP, sizeof(float));
+    float *qf = malloc(sizeof(float) * D), *p = malloc(sizeof(float) * LP);
+    v8 *acc = aligned_alloc(32, sizeof(v8) * (DP / 8));
+    if (!kt || !vf || !row || !qf || !p || !acc) {
+      failed = 1; free(kt); free(vf); free(row); free(qf); free(p); free(acc); continue;
+    }
+    for (long j = 0; j < L; j++) {  /* keys transposed [D][LP], values [L][DP], both widened to float32 */
+      widen_row(k, b * ksb + g * ksh + j * kst, D, is_bf16, row);
+      for (long d = 0; d < D; d++) kt[d * LP + j] = row[d];
+      widen_row(v, b * vsb + g * vsh + j * vst, DV, is_bf16, vf + j * DP);
+    }
+    const unsigned char *mask = allowed + b * Q * L;
+    for (long h = g * group; h < (g + 1) * group; h++) {
+      for (long i = 0; i < Q; i++) {
+        const unsigned char *m = mask + i * L;
+        widen_row(q, b * qsb + h * qsh + i * qst, D, is_bf16, qf);
+        for (long j = 0; j < LP; j += 8) {  /* 8 keys' scores, each summed over d in order */
+          v8 s = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (long d = 0; d < D; d++) s = s + qf[d] * load_f32(kt + d * LP + j);
+          s = s * scale;
+          memcpy(p + j, &s, 32);
+        }
+        float top = -__builtin_inff();
+        for (long j = 0; j < L; j++) if (m[j] && p[j] > top) top = p[j];
+        for (long j = 0; j < LP; j += 8) {
+          v8 e = exp8(load_f32(p + j) - top);
+          memcpy(p + j, &e, 32);
+        }
+        float total = 0.0f;
+        memset(acc, 0, sizeof(v8) * (DP / 8));
+        for (long j = 0; j < L; j++) {
+          if (!m[j]) continue;
+          float w = p[j];
+          total = total + w;
+          const float *vr = vf + j * DP;
+          for (long d = 0; d < DP / 8; d++) acc[d] = acc[d] + w * load_f32(vr + 8 * d);
+        }
+        float *o = out + ((b * Q + i) * Hq + h) * DV;
+        const float *a = (const float *)acc;
+        for (long d = 0; d < DV; d++) o[d] = total > 0.0f ? a[d] / total : 0.0f;
+      }
+    }
+    free(kt); free(vf); free(row); free(qf); free(p); free(acc);
+  }
+  return failed ? -1 : 0;
+}
 """
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 
@@ -239,6 +329,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     flag = ctypes.c_int
     library.panel_linear.argtypes = [pointer, long, long, pointer, flag, long, pointer, pointer, flag, flag]
     library.panel_linear.restype = ctypes.c_int
+    library.row_attention.argtypes = [pointer, long, long, long, pointer, pointer, long, long, long, long, long, long,
+                                      flag, pointer, long, long, long, long, long, long, long, ctypes.c_float, pointer,
+                                      flag]
+    library.row_attention.restype = ctypes.c_int
     return library, ""
 
 
@@ -289,3 +383,38 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     if failed:
         raise MemoryError(f"panel_linear: no memory for a pass buffer of 12 x {max(in_features, out_features)}")
     return out.reshape(*x.shape[:-1], out_features)
+
+
+ROW_ATTENTION_MAX_QUERIES = 64  # decode and verify; a prefill of more rows goes to the model's own attention
+
+
+def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Batch-invariant attention (the C `row_attention` above): query [B, Hq, Q, D], key [B, Hkv, L, D], value
+    [B, Hkv, L, DV]
+    (float32 or bfloat16, the same dtype; Hq a multiple of Hkv), allowed [B, Q, L] bool. Each query row is reduced
+    alone over its allowed keys in slot order, so a row's output is the same bits whatever else is in the call.
+    Returns [B, Q, Hq, DV] in the query's dtype (rounded once from float32, as torch rounds)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the attention kernel is unavailable: {unavailable_reason()}")
+    batch, heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if (query.dtype not in PANEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
+            or heads % kv_heads or key.shape[0] != batch or allowed.shape != (batch, queries, length)
+            or key.shape[-1] != dim or value.shape[:3] != key.shape[:3]
+            or any(t.device.type != "cpu" for t in (query, key, value))):
+        raise ValueError(f"row_attention: query {tuple(query.shape)} {query.dtype}, key {tuple(key.shape)} "
+                         f"{key.dtype}, value {value.dtype}, allowed {tuple(allowed.shape)}: expected float32 or "
+                         "bfloat16 on a CPU, Hq a multiple of Hkv, allowed [B, Q, L]")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    flags = allowed.to(torch.uint8).contiguous()
+    out = torch.empty(batch, queries, heads, value.shape[-1], dtype=torch.float32)
+    failed = lib.row_attention(query.data_ptr(), *query.stride()[:3], key.data_ptr(), value.data_ptr(),
+                               *key.stride()[:3], *value.stride()[:3], int(query.dtype == torch.bfloat16),
+                               flags.data_ptr(), batch, heads, kv_heads, queries, length, dim, value.shape[-1], scale,
+                               out.data_ptr(),
+                               torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"row_attention: no memory for the scores of {length} keys")
+    return out.to(query.dtype)

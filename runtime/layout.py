@@ -60,6 +60,8 @@ LAYOUTS = ("auto", "rows", "transposed", "rows+packed", "transposed+packed", "ro
 LAYOUT_HELP = ("auto / rows / transposed / rows+packed / transposed+packed / ...+packedN / rows+panels / "
                "transposed+panels / ...+panels_bf16 (runtime.layout)")  # `+packedN`: the packed copy from N rows
 MIN_PARAMETERS = 10_000_000
+# bfloat16 on a CPU: panels for every product (batch-invariant, and faster than torch's bf16 BLAS; see above)
+BF16_LAYOUT = "rows+panels"
 MIN_GAIN = 0.05
 PACK_BATCH_HINT = 8  # oneDNN's reorder is tuned for this many rows; 8 and 64 measured best here, 1 worst
 VERIFY_PROBE = (2, 3, 4, 8)  # verify sizes measured with and without packing under auto
@@ -357,6 +359,11 @@ def choose_layout(target, requested: str = "auto", use_cache: bool = True, log=N
         set_layout(model, requested)
         return layout_of(model)
     device = next(model.parameters()).device
+    if device.type == "cpu" and model.dtype == torch.bfloat16 and not panels_unavailable(model):
+        set_layout(model, BF16_LAYOUT)
+        print(f"weight layout: {BF16_LAYOUT} (auto: bfloat16 on a CPU: the batch-invariant panel kernel serves every "
+              f"product, so a verify computes what one-token steps compute)", file=log or sys.stderr)
+        return BF16_LAYOUT
     if device.type != "cpu" or sum(p.numel() for p in model.parameters()) < MIN_PARAMETERS:
         set_layout(model, "rows")
         return "rows"

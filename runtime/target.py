@@ -45,6 +45,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from heads.loading import fast_bf16
+from runtime import kernels
 from runtime.kv_cache import compact_rows
 from runtime.masks import rows_attention_mask, tree_attention_mask
 from runtime.tree import Tree
@@ -94,6 +95,50 @@ def _attention_in_float32(enabled: bool) -> Iterator[None]:
 
     sdpa_in_float32._specheads_float32 = True
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_in_float32
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+# attention arguments the row kernel does not implement: with any of them the model's own attention runs
+_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def row_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float = 0.0,
+                          **kwargs) -> bool:
+    """Whether `kernels.row_attention` computes this attention call exactly as asked: a decode or verify call (at
+    most 64 query rows) on the CPU in float32 or bfloat16, with one additive mask for all heads, no dropout and none
+    of softcapping, sinks or a position bias."""
+    return (attention_mask is not None and attention_mask.is_floating_point() and attention_mask.ndim == 4
+            and attention_mask.shape[1] == 1 and query.shape[2] <= kernels.ROW_ATTENTION_MAX_QUERIES
+            and query.device.type == "cpu" and query.dtype in kernels.PANEL_DTYPES and key.dtype == query.dtype
+            and not dropout and all(kwargs.get(name) is None for name in _UNSUPPORTED_ATTENTION_KWARGS)
+            and kernels.library() is not None)
+
+
+@contextmanager
+def _attention_by_rows(enabled: bool) -> Iterator[None]:
+    """Batch-invariant attention around our own forwards: every decode step and verify (up to 64 query rows; not the
+    prefill, which plain and speculative decoding share) runs
+    `kernels.row_attention`, which reduces each query row alone over the keys its mask allows, in slot order. So a
+    k-token verify computes, row by row, the same bits as the one-token steps that would have produced the same
+    tokens (the Linear layers are batch-invariant through the panel kernel, norms and rotary are per row): in
+    bfloat16 a verified draft no longer flips a near-tie, and speculative output equals plain decoding's. Calls it
+    does not implement (a long prefill, softcapping, sinks, ...) go to the model's own attention."""
+    original = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if not enabled or original is None or getattr(original, "_specheads_rows", False):
+        yield
+        return
+
+    def attention_by_rows(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if not row_attention_applies(query, key, attention_mask, dropout, **kwargs):
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return kernels.row_attention(query, key, value, attention_mask[:, 0] == 0, scale), None
+
+    attention_by_rows._specheads_rows = True
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_by_rows
     try:
         yield
     finally:
@@ -172,6 +217,9 @@ class TargetModel:
         cpu_sdpa = self.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
         self._gqa_in_kernel = cpu_sdpa
         self._float32_attention = cpu_sdpa and self.dtype in (torch.bfloat16, torch.float16) and not fast_bf16(self.device)
+        # bfloat16 rounds a k-token verify's attention differently from one-token steps unless each row is reduced
+        # alone: the row kernel makes verify == steps bit for bit (float32 keeps torch's faster sdpa)
+        self._rows_attention = cpu_sdpa and self.dtype == torch.bfloat16 and kernels.library() is not None
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache: DynamicCache | None = None
         self.row_lengths: list[int] = [0]  # committed tokens in the cache, per row (one row per sequence)
@@ -276,7 +324,8 @@ class TargetModel:
             kwargs["position_ids"] = positions.to(self.device)
         step = "prefill" if self.slots == 0 else ("verify" if self.flag == "--model" else "draft")
         try:
-            with _grouped_kv_in_kernel(self._gqa_in_kernel), _attention_in_float32(self._float32_attention):
+            with _grouped_kv_in_kernel(self._gqa_in_kernel), _attention_in_float32(self._float32_attention), \
+                    _attention_by_rows(self._rows_attention and self.slots > 0):
                 return self.model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=True,
                                   output_hidden_states=list(hidden_state_indices) or False,
                                   logits_to_keep=logits_to_keep, **kwargs)

@@ -96,7 +96,7 @@ print(f"vLLM distill engine: data.distill --engine vllm (vLLM {vllm['engine_info
 PY
 else
     tail -n 5 "$WORK/distill.log"
-    echo "vLLM distill engine FAILED: data.bench_distill exited $distill_status (log: $WORK/distill.log)"
+    echo "vLLM distill engine FAILED: bench.distill exited $distill_status (log: $WORK/distill.log)"
     status=1
 fi
 echo "vLLM engine check took $(( $(date +%s) - start )) s (log: $WORK/vllm.log)"

@@ -11,8 +11,7 @@ import torch
 from bench.common import hf_generation_config, run_hf, run_ours
 from runtime import layout
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.layout import model_fingerprint
-from runtime.layout import as_loaded, choose_layout, layout_of, linear_weights, set_layout
+from runtime.layout import as_loaded, choose_layout, layout_of, linear_weights, model_fingerprint, set_layout
 from runtime.proposers import PromptLookupProposer
 from runtime.target import TargetModel
 from tests.tiny_models import stories260k

@@ -198,7 +198,7 @@ def test_result_cached_per_model_and_weights(tmp_path, monkeypatch):
 
 def _cli(monkeypatch, capsys, model, *flags, lines=None):
     monkeypatch.setenv("SPECHEADS_CACHE", str(capsys and __import__("tempfile").mkdtemp()))
-    monkeypatch.setattr("heads.loading.load_model", lambda *args, **kwargs: model)
+    monkeypatch.setattr("runtime.build.load_model", lambda *args, **kwargs: model)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(main, ["--model", str(STORIES260K), "--prompt", "Once upon a time", "--max_new_tokens", "40",
                        *flags])
