@@ -283,6 +283,46 @@ def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
     return result
 
 
+STEPS_PROBE = 16  # tokens of the verify compared with one-token steps (sdpa's reduction order changes from 4+ rows)
+
+
+def verify_equals_steps(target: TargetModel, tokens: int = STEPS_PROBE, seed: int = 0) -> bool:
+    """Whether a verify of `tokens` tokens (a chain) gives the same logits, bit for bit, as feeding them one at a
+    time: the property that makes speculative output equal plain decoding's in a reduced dtype (runtime.kernels:
+    batch-invariant Linear and attention). Leaves the target with a cache to be replaced by the next prefill."""
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prefix, chain = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen), torch.randint(vocab, (tokens,), generator=gen)
+    target.prefill(prefix)
+    verified = target.forward(chain.to(target.device), Tree.chain(tokens - 1)).logits
+    target.commit([])
+    target.prefill(prefix)
+    steps = []
+    for token in chain:
+        steps.append(target.forward(token[None].to(target.device), Tree.chain(0)).logits[0])
+        target.commit([0])
+    return torch.equal(verified, torch.stack(steps))
+
+
+def steps_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
+    """The verify check's second line for a reduced dtype (cached with the check): whether verifying equals one-token
+    steps bit for bit on this model, dtype and weight layout."""
+    key = check_key(target.model) if use_cache else None
+    if key is not None:
+        key = {**key, "layout": layout, "probe": f"steps{STEPS_PROBE}"}
+        record = cache.cached_json(_cache_file(key), lambda: {"key": key, "equal": verify_equals_steps(target)},
+                                   valid=lambda record: record.get("key") == key and "equal" in record)
+        equal = bool(record["equal"])
+    else:
+        equal = verify_equals_steps(target)
+    where = f"({dtype_name(target.dtype)}, {layout})"
+    if equal:
+        return (f"verify check: a {STEPS_PROBE}-token verify == {STEPS_PROBE} one-token steps bit for bit {where}: "
+                f"speculative output is plain decoding's")
+    return (f"verify check: a {STEPS_PROBE}-token verify differs from one-token steps in the last bits {where}: "
+            f"near-ties of the two best logits can flip; --exact decodes in float32")
+
+
 def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None,
                    layout: str = "auto") -> TargetModel:
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
@@ -296,5 +336,8 @@ def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: boo
                           f"{result.reason}")
     print(result.line(), file=log or sys.stderr)
     target = TargetModel(model, flag=flag, mode=result.mode)
-    choose_layout(target, layout, use_cache, log)
+    chosen = choose_layout(target, layout, use_cache, log)
+    if result.mode == "tree" and target.dtype in (torch.bfloat16, torch.float16) and \
+            (target.max_positions is None or target.max_positions > PREFIX_LENGTH + STEPS_PROBE):
+        print(steps_line(target, chosen, use_cache), file=log or sys.stderr)
     return target

@@ -15,6 +15,7 @@ from runtime.loop import GenerationStats, generate
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer, per_row
 from runtime.target import TargetModel
 from runtime.tree import Tree
+from runtime.verify_check import prepare_target
 from tests.runtime.test_batch import prompts, run_batch
 from tests.runtime.test_generate import perturbed_copy
 from tests.runtime.test_head_proposers import PROPOSERS, make_proposer, perm_target
@@ -138,3 +139,14 @@ def test_bf16_batch_rows_equal_each_prompt_alone():
         out, stats = run_batch(model, per_row(proposer, len(batch)), batch, 40, k=6)
         assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
         assert max(s.tau for s in stats) > 1.05
+
+
+def test_verify_check_says_whether_verify_equals_steps(capsys):
+    """bfloat16: the load-time check prints whether a 16-token verify equals one-token steps bit for bit: yes on
+    the batch-invariant layout auto picks, no on torch's own BLAS (rows), where near-ties can flip."""
+    for layout, verdict in (("auto", "== 16 one-token steps bit for bit"), ("rows", "differs from one-token steps")):
+        prepare_target(stories260k(torch.bfloat16), use_cache=False, layout=layout)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verify check: a 16-token")]
+        assert len(lines) == 1 and verdict in lines[0], lines
+    prepare_target(stories260k(torch.float32), use_cache=False)  # float32: no such line (exact up to near-ties)
+    assert "verify check: a 16-token" not in capsys.readouterr().err
