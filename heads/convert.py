@@ -128,6 +128,8 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
     tensors = read_source_tensors(source)
     tensors.pop("embed_tokens.weight", None)
     layout = detect_layout(source_config, tensors)
+    common = dict(base_model_revision=base_model_revision or None)
+    num_layers = getattr(target_config, "get_text_config", lambda: target_config)().num_hidden_layers
     if layout == "speculators":
         target_hidden = int(source_config.get("target_hidden_size") or layer.get("hidden_size", 0))
         vocab = int(getattr(target_config, "get_text_config", lambda: target_config)().vocab_size)
@@ -135,13 +137,13 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
             raise ValueError(f"--source {source}: transformer_layer_config vocab_size {layer['vocab_size']} is not "
                              f"the target's vocabulary ({vocab})")
         # The draft layer's keys are those of an EAGLE-3 config.json; the target geometry is checked below.
+        ids = source_config.get("eagle_aux_hidden_state_layer_ids")
+        if ids and len(ids) > 3 and num_layers in ids:  # speculators' datagen ids carry the final layer too; its
+            ids = [i for i in ids if i != num_layers]  # resolve_target_layer_ids strips it for the draft
         source_config = {**layer, "draft_vocab_size": source_config.get("draft_vocab_size"),
-                         "eagle_aux_hidden_state_layer_ids": source_config.get("eagle_aux_hidden_state_layer_ids"),
-                         "target_hidden_size": target_hidden}
+                         "eagle_aux_hidden_state_layer_ids": ids, "target_hidden_size": target_hidden}
         tensors = speculators.from_file_names(tensors, str(source))
         layout = "eagle3"
-    common = dict(base_model_revision=base_model_revision or None)
-    num_layers = getattr(target_config, "get_text_config", lambda: target_config)().num_hidden_layers
 
     if layout == "medusa_fasterdecoding":
         heads_n, layers_n = int(source_config["medusa_num_heads"]), int(source_config.get("medusa_num_layers", 1))

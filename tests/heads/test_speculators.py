@@ -136,6 +136,15 @@ def test_speculators_round_trip_identical(saved, target, tmp_path):
     _assert_identical(load_heads(saved), imported, target)
 
 
+def test_speculators_datagen_ids_with_the_final_layer(saved, target, tmp_path):
+    """speculators' offline datagen ids carry the verifier's final layer; its resolve_target_layer_ids drops it."""
+    out = export_heads(saved, "speculators", tmp_path / "x")
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [*config["eagle_aux_hidden_state_layer_ids"], L]
+    (out / "config.json").write_text(json.dumps(config))
+    _assert_identical(load_heads(saved), import_checkpoint(out, target.config, TARGET_NAME), target)
+
+
 def test_speculators_full_vocabulary_ships_no_mapping(target, tmp_path):
     """Vd = V: vLLM builds no draft_id_to_target_id, so a d2t would be an unexpected weight: none is written."""
     heads = random_heads("eagle3", target)
