@@ -28,6 +28,7 @@ from heads.cli import parse_flag_groups, run_cli
 from heads.loading import dtype_name
 from runtime.build import build_proposer, encode_prompt
 from runtime.config import GenerateArguments
+from runtime.loop import GenerationStats
 from runtime.proposers import Autoregressive
 
 
@@ -62,10 +63,12 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def prompt_result(index: int, plain: list[int], method: list[int], gaps: torch.Tensor) -> dict[str, Any]:
-    """One prompt's record: identical, first divergence, gap there and its rank among all positions' gaps."""
+def prompt_result(index: int, plain: list[int], method: list[int], gaps: torch.Tensor, tau: float = 1.0
+                  ) -> dict[str, Any]:
+    """One prompt's record: identical, first divergence, gap there and its rank among all positions' gaps, and the
+    method's tau (tokens per verify: above 1 means multi-token verifies were compared, not just plain steps)."""
     position = first_divergence(plain, method)
-    record: dict[str, Any] = {"index": index, "new_tokens": len(plain), "identical": position is None,
+    record: dict[str, Any] = {"index": index, "new_tokens": len(plain), "identical": position is None, "tau": tau,
                               "first_divergence": position, "median_top2_gap": float(gaps.median())}
     if position is not None and position < gaps.numel():
         gap = float(gaps[position])
@@ -74,10 +77,10 @@ def prompt_result(index: int, plain: list[int], method: list[int], gaps: torch.T
     return record
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], tau: float = 1.0) -> dict[str, Any]:
     diverged = [r for r in records if not r["identical"]]
     gaps = [r["gap_at_divergence"] for r in diverged if "gap_at_divergence" in r]
-    return {"prompts": len(records), "identical": len(records) - len(diverged),
+    return {"prompts": len(records), "identical": len(records) - len(diverged), "tau": tau,
             "identical_share": (len(records) - len(diverged)) / len(records),
             "first_divergence_positions": [r["first_divergence"] for r in diverged],
             "gaps_at_divergence": gaps,
@@ -97,24 +100,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target, tokenizer = load_target(gen_args)  # the load-time verify check too
     model = target.model
     proposer = build_proposer(gen_args, target, tokenizer)
-    records = []
+    records, method_stats = [], []
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
         plain = run_ours(target, Autoregressive(), ids, config).tokens
-        method = run_ours(target, proposer, ids, config).tokens
-        records.append(prompt_result(i, plain, method, top2_gaps(model, ids, plain)))
+        run = run_ours(target, proposer, ids, config)
+        method_stats.append(run.stats)
+        records.append(prompt_result(i, plain, run.tokens, top2_gaps(model, ids, plain), run.stats.tau))
         r = records[-1]
         where = "" if r["identical"] else (f", first divergence at token {r['first_divergence']}, plain top-2 gap "
                                            f"{r.get('gap_at_divergence', float('nan')):.4f} (<= it: "
                                            f"{r.get('gap_share_at_most', float('nan')):.1%} of positions)")
-        print(f"[exactness] prompt {i + 1}/{len(prompts)}: identical {r['identical']}{where}", file=sys.stderr)
+        print(f"[exactness] prompt {i + 1}/{len(prompts)}: identical {r['identical']}{where}, tau {r['tau']:.2f}",
+              file=sys.stderr)
     result = {"config": {**dataclasses.asdict(gen_args), **dataclasses.asdict(args),
                          "method": gen_args.resolved_method(), "dtype_used": dtype_name(model.dtype)},
-              "overall": summarize(records), "prompts": records}
+              "overall": summarize(records, GenerationStats.merged(method_stats).tau), "prompts": records}
     result["config"].pop("prompt")
     write_json(args.output_json, result)
     o = result["overall"]
-    print(f"{result['config']['dtype_used']}, {result['config']['method']}: {o['identical']}/{o['prompts']} prompts "
+    print(f"{result['config']['dtype_used']}, {result['config']['method']} (tau {o['tau']:.2f}): "
+          f"{o['identical']}/{o['prompts']} prompts "
           f"identical to plain greedy decoding; first divergences at {o['first_divergence_positions']}, plain top-2 "
           f"gaps there {[round(g, 4) for g in o['gaps_at_divergence']]} (median gap over all positions "
           f"{o['median_top2_gap_all_positions']:.3f}); wrote {args.output_json}")

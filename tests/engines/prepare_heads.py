@@ -7,8 +7,8 @@ Writes `<work_dir>/plan.json` for `run_vllm.py` (which runs in vLLM's own venv a
 the plain HF directory of the target, the prompts as token ids, and per head kind the exported directory, vLLM's
 speculative method and our runtime's greedy output and accepted-token counts per chain position, for a chain of
 `--chain` drafts per step (= vLLM's `num_speculative_tokens`). Heads are trained for `--train_steps` steps
-(EAGLE-3: `--eagle3_train_steps`, enough that draft positions 1-3 accept something) on a small teacher-forced GSM8K
-set (0 = random heads, which accept nearly nothing: a weak comparison).
+(EAGLE-3: `--eagle3_train_steps`) on the target's own answers to the check's prompts, so that every draft position
+accepts something and the comparison covers each (0 = random heads, which accept nearly nothing: a weak comparison).
 
 Kind `speculators` is the EAGLE-3 heads exported `--to speculators` (config.json names the verifier and the drafts
 per step): vLLM loads it the way `vllm serve DIR` does, `LLM(model=DIR)`, with no speculative config of ours.
@@ -43,7 +43,6 @@ class PrepareFlags:
     model: str = field(default="../shared/models/smollm2-135m-instruct", metadata={"help": "Target model."})
     prompts: str = field(default="../shared/data/mt_bench_question.jsonl",
                          metadata={"help": "MT-Bench questions (first turns are the prompts)."})
-    train_data: str = field(default="../shared/data/gsm8k_train.jsonl", metadata={"help": "Teacher-forced data."})
     num_prompts: int = field(default=3, metadata={"help": "Prompts per head kind."})
     prompt_offset: int = field(default=0, metadata={"help": "Skip this many rows of --prompts."})
     max_tokens: int = field(default=32, metadata={"help": "New tokens per prompt (vLLM max_tokens)."})
@@ -66,7 +65,7 @@ def run(command: list[str], log: Path) -> None:
 def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
     """A small head of `kind`: a few training steps (`training/train_heads.py`), or random when 0 steps."""
     steps = flags.eagle3_train_steps if kind == "eagle3" else flags.train_steps
-    heads_dir = out / f"heads_{steps}steps"  # kept between runs of the check; a new step count retrains
+    heads_dir = out / f"heads_{steps}steps_self"  # kept between runs of the check; a new step count retrains
     if (heads_dir / "config.json").is_file():
         return heads_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -143,10 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"--kinds: unknown {unknown}; vLLM runs {list(KINDS)} (MTP: no engine loads user MTP)")
-    data = work / "data"
+    # The heads learn the target's own greedy answers to the check's prompts (self-distilled, float32, one prompt per
+    # batch), so that every draft position accepts something and the comparison with vLLM covers each of them.
+    data = work / "data_self"
     if (flags.train_steps or flags.eagle3_train_steps) and not (data / "manifest.json").is_file():
-        run([sys.executable, "-m", "data.distill", "--mode", "teacher_forced", "--model", flags.model,
-             "--sources", f"gsm8k={flags.train_data}:200", "--eval_fraction", "0.05", "--max_length", "256",
+        run([sys.executable, "-m", "data.distill", "--model", flags.model, "--prompts", flags.prompts,
+             "--max_prompts", str(flags.prompt_offset + flags.num_prompts), "--dtype", "float32", "--batch_size", "1",
+             "--max_new_tokens", str(flags.max_tokens + flags.chain + 1), "--max_length", "256",
              "--output_dir", str(data)], work / "data.log")
 
     base = model_path(flags.model)  # plain HF directory (a GGUF is converted once, cached)
