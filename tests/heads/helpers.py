@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from heads import HeadsConfig, build_heads, target_modules
@@ -62,3 +64,12 @@ def head_outputs(heads, target, seed: int = 1) -> list[torch.Tensor]:
             hidden = out.hidden_states
             outs.append(heads.compute_logits(hidden, depth=depth, lm_head=tm.lm_head))
         return outs
+
+
+def save_random_heads(target, tmp_path_factory, variants: tuple[str, ...]) -> dict[str, Path]:
+    """Random heads of each variant for `target`, saved once per test module: {variant: directory}."""
+    out = {}
+    for variant in variants:
+        out[variant] = tmp_path_factory.mktemp(variant) / "h"
+        random_heads(variant, target).save_pretrained(out[variant])
+    return out

@@ -8,12 +8,7 @@ from safetensors.torch import load_file
 
 from heads import EagleDraft, MedusaHeads, load_heads
 from heads.checkpoint import weights_file
-from tests.heads.helpers import TARGET_NAME, VARIANTS, head_outputs, random_heads, tiny_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
+from tests.heads.helpers import TARGET_NAME, VARIANTS, head_outputs, random_heads
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -9,12 +9,7 @@ from heads import load_heads
 from heads.checkpoint import DRAFT_VOCAB_FILE, weights_file
 from heads.draft_vocab import build_vocab_mapping, coverage
 from heads.vocab import main
-from tests.heads.helpers import random_heads, tiny_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
+from tests.heads.helpers import random_heads
 
 
 @pytest.mark.parametrize("variant", ["medusa", "medusa_shared", "eagle", "mtp"])

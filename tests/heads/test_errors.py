@@ -9,23 +9,13 @@ from safetensors.torch import load_file, save_file
 from heads import HeadsConfig, load_heads
 from heads.checkpoint import weights_file
 from heads.draft_vocab import build_vocab_mapping, validate_vocab_mapping
-from tests.heads.helpers import TARGET_NAME, random_heads, tiny_target
+from tests.heads.helpers import TARGET_NAME, save_random_heads, tiny_target
 from tests.tiny_models import STORIES260K, stories260k
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
 def saved(target, tmp_path_factory):
-    out = {}
-    for variant in ("medusa", "eagle3"):
-        path = tmp_path_factory.mktemp(variant) / "h"
-        random_heads(variant, target).save_pretrained(path)
-        out[variant] = path
-    return out
+    return save_random_heads(target, tmp_path_factory, ("medusa", "eagle3"))
 
 
 @pytest.mark.parametrize("overrides, field", [({"hidden_size": 32, "head_dim": 8}, "hidden_size 64"),

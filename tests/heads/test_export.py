@@ -13,25 +13,15 @@ from heads.convert import main as convert_main
 from heads.export import export_heads, plan_export
 from heads.export import main as export_main
 from tests.heads.engine_checkers import check_eagle, check_eagle3, check_tgi_medusa, check_vllm_medusa
-from tests.heads.helpers import TARGET_NAME, head_outputs, random_heads, tiny_target
+from tests.heads.helpers import TARGET_NAME, head_outputs, save_random_heads
 from tests.tiny_models import STORIES260K
 
 H, V, L = 64, 256, 2
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
 def saved(target, tmp_path_factory):
-    out = {}
-    for variant in ("medusa", "medusa_shared", "eagle", "eagle3", "mtp"):
-        path = tmp_path_factory.mktemp(variant) / "h"
-        random_heads(variant, target).save_pretrained(path)
-        out[variant] = path
-    return out
+    return save_random_heads(target, tmp_path_factory, ("medusa", "medusa_shared", "eagle", "eagle3", "mtp"))
 
 
 def _check(engine, kind, path):

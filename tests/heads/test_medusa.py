@@ -4,12 +4,7 @@ import pytest
 import torch
 
 from heads import HeadsConfig, build_heads, target_modules
-from tests.heads.helpers import TARGET_NAME, random_heads, tiny_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
+from tests.heads.helpers import TARGET_NAME, random_heads
 
 
 def test_shared_heads_hold_only_residual_blocks(target):

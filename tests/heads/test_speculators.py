@@ -15,21 +15,14 @@ from heads.convert import main as convert_main
 from heads.draft_vocab import build_vocab_mapping
 from heads.export import export_heads
 from heads.export import main as export_main
-from tests.heads.helpers import TARGET_NAME, head_outputs, random_heads, tiny_target
+from tests.heads.helpers import TARGET_NAME, head_outputs, random_heads, save_random_heads
 
 H, V, L = 64, 256, 2
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
 def saved(target, tmp_path_factory):
-    path = tmp_path_factory.mktemp("eagle3") / "h"
-    random_heads("eagle3", target).save_pretrained(path)
-    return path
+    return save_random_heads(target, tmp_path_factory, ("eagle3",))["eagle3"]
 
 
 # ---- what vLLM 0.32's speculators reader does with a directory (written from its source) -----------------
