@@ -47,7 +47,7 @@ class PrepareFlags:
     prompt_offset: int = field(default=0, metadata={"help": "Skip this many rows of --prompts."})
     max_tokens: int = field(default=32, metadata={"help": "New tokens per prompt (vLLM max_tokens)."})
     chain: int = field(default=3, metadata={"help": "Drafts per step: our chain length = num_speculative_tokens."})
-    train_steps: int = field(default=10, metadata={"help": "Training steps per head (0 = random heads)."})
+    train_steps: int = field(default=40, metadata={"help": "Training steps per head (0 = random heads)."})
     eagle3_train_steps: int = field(default=40, metadata={"help": "Training steps of the EAGLE-3 heads (used by "
                                                                   "kinds eagle3 and speculators); 0 = random."})
     kinds: str = field(default="speculators,eagle3,eagle,medusa",
@@ -85,8 +85,10 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
     method = KINDS[kind][0]
     command = [sys.executable, "training/train_heads.py", "--method", method, "--model", flags.model,
                "--dataset", str(data), "--output_dir", str(out / "run"), "--heads_dir", str(heads_dir),
-               "--max_steps", str(steps), "--per_device_batch_size", "2", "--max_length", "256",
-               "--learning_rate", "0.003", "--eval_samples", "2", "--eval_steps", "0", "--save_steps", "0",
+               "--max_steps", str(steps), "--per_device_batch_size", "1", "--max_length", "256",
+               # every row trains (the check's own prompts); evaluation reads the same rows
+               "--eval_dataset", str(data), "--eval_samples", "1",
+               "--learning_rate", "0.003", "--eval_steps", "0", "--save_steps", "0",
                "--progress_bar", "false", "--report_to", "none"]
     if kind == "medusa":
         command += ["--num_heads", str(flags.chain)]  # vLLM drafts one token per Medusa head
