@@ -1,6 +1,7 @@
 """The speculators layout (`--to speculators`, vLLM's zero-config draft format) against the rules of vLLM's reader
 (vllm/transformers_utils/configs/speculators/{base,algos}.py, model_executor/models/llama_eagle3.py), and import
-round trips of the speculators, SpecForge and EAGLE reference layouts (identical heads, identical outputs)."""
+round trips of the speculators, SpecForge and EAGLE reference layouts (identical heads, identical outputs, identical
+decoding by our runtime)."""
 
 import json
 
@@ -15,6 +16,10 @@ from heads.convert import main as convert_main
 from heads.draft_vocab import build_vocab_mapping
 from heads.export import export_heads
 from heads.export import main as export_main
+from runtime.config import DecodeConfig, HeadsOptions, SpeculationConfig
+from runtime.loop import GenerationStats, generate
+from runtime.proposers.factory import proposer_from_heads
+from runtime.target import TargetModel
 from tests.heads.helpers import TARGET_NAME, head_outputs, random_heads, save_random_heads
 
 H, V, L = 64, 256, 2
@@ -240,6 +245,18 @@ def _assert_identical(original, imported, target):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     for x, y in zip(head_outputs(original, target), head_outputs(imported, target), strict=True):
         assert torch.equal(x, y)
+    assert _decode(original, target) == _decode(imported, target)  # the runtime's output and acceptance
+
+
+def _decode(heads, target) -> tuple[list[int], list[int]]:
+    """Greedy tokens and accepted lengths of our decode loop drafting with `heads` (a fixed 4-node tree)."""
+    model = TargetModel(target)
+    built = proposer_from_heads(heads, model, HeadsOptions(tree_size="4", allow_off=False), target_name=TARGET_NAME)
+    stats = GenerationStats()
+    prompt = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(5))
+    config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), speculation=SpeculationConfig(num_speculative_tokens=4))
+    tokens = torch.cat(list(generate(model, built.proposer, prompt, config, stats))).tolist()
+    return tokens, [s.accepted_length for s in stats.steps]
 
 
 def test_reduced_vocabulary_note_printed_for_engines_drafting_all_tokens(target, tmp_path, capsys):
