@@ -106,7 +106,10 @@ def engine_config(config: HeadsConfig) -> dict[str, Any]:
                 # as "output of layer id" and adds 1, so they are one less.
                 "eagle_aux_hidden_state_layer_ids": list(config.target_layers),
                 "eagle_config": {"use_aux_hidden_state": True,
-                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.target_layers]}}
+                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.target_layers]},
+                # vLLM's EAGLE-3 layer reads it (default false); written only when set, so that the usual heads
+                # keep the config SGLang and the reference read
+                **({"norm_before_residual": True} if config.norm_before_residual else {})}
     return {"architectures": ["SpecheadsMTP"], "mtp_num_depths": config.mtp_num_depths}
 
 

@@ -84,6 +84,9 @@ class HeadsConfig:
     # Draft vocabulary (heads.draft_vocab): EAGLE-3's lm_head rows (0 -> vocab_size); Medusa/EAGLE-1/2/MTP: 0 = draft
     # over the full target vocabulary, else the size of the d2t/t2d saved in draft_vocab.safetensors
     draft_vocab_size: int = 0
+    # EAGLE-3: the midlayer's residual is hidden_norm(hidden) instead of hidden (speculators' and vLLM's
+    # norm_before_residual; many published speculators checkpoints are trained with it)
+    norm_before_residual: bool = False
     # MTP
     mtp_num_depths: int = 1
     # bookkeeping
@@ -132,6 +135,8 @@ class HeadsConfig:
         if self.kind == "medusa" and self.medusa_shared_lm_head and self.medusa_num_layers < 1:
             raise ValueError("HeadsConfig: medusa_shared_lm_head needs medusa_num_layers >= 1 (with no residual "
                              "block a head would be the target's own LM head and predict token t+1)")
+        if self.norm_before_residual and self.kind != "eagle3":
+            raise ValueError(f"HeadsConfig.norm_before_residual: an EAGLE-3 option, not for kind {self.kind!r}")
         if self.kind == "eagle3":
             if self.draft_vocab_size == 0:
                 self.draft_vocab_size = self.vocab_size

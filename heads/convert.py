@@ -141,7 +141,8 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
         if ids and len(ids) > 3 and num_layers in ids:  # speculators' datagen ids carry the final layer too; its
             ids = [i for i in ids if i != num_layers]  # resolve_target_layer_ids strips it for the draft
         source_config = {**layer, "draft_vocab_size": source_config.get("draft_vocab_size"),
-                         "eagle_aux_hidden_state_layer_ids": ids, "target_hidden_size": target_hidden}
+                         "eagle_aux_hidden_state_layer_ids": ids, "target_hidden_size": target_hidden,
+                         "norm_before_residual": bool(source_config["norm_before_residual"])}
         tensors = speculators.from_file_names(tensors, str(source))
         layout = "eagle3"
 
@@ -182,6 +183,7 @@ def import_checkpoint(source: str | Path, target_config: Any, base_model_name_or
         layers = list(layers) if layers else [2, num_layers // 2, num_layers - 3]
         config = HeadsConfig.for_target("eagle3", target_config, base_model_name_or_path,
                                         draft_vocab_size=draft_vocab, target_layers=layers,
+                                        norm_before_residual=bool(source_config.get("norm_before_residual", False)),
                                         **_layer_options(source_config), **common)
         if "d2t" not in tensors:
             if draft_vocab != vocab:

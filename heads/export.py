@@ -141,6 +141,9 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None, verifier: 
     if to not in SUPPORTED[config.kind]:
         why = _NOT_SPECULATORS if to == "speculators" else _UNSUPPORTED[config.kind]
         raise ValueError(f"--to {to}: no {to} layout for kind {config.kind!r}: {why}")
+    if config.norm_before_residual and to in ("sglang", "eagle"):
+        raise ValueError(f"--to {to}: these EAGLE-3 heads compute norm_before_residual (the residual after "
+                         f"hidden_norm), which the {to} layout has no key for; use --to speculators or --to vllm")
     if to == "speculators":
         verifier = verifier or default_verifier(config)
         tensors = module_to_file_names(config.kind, heads.state_dict())

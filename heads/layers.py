@@ -184,7 +184,8 @@ class DecoderLayer(nn.Module):
       (MTP blocks; equal to transformers' LlamaDecoderLayer).
     - "eagle": as "llama" but without input_layernorm (EAGLE-1/2 layer 0).
     - "eagle3": attention reads cat(input_layernorm(inputs_embeds), hidden_norm(hidden_states)) = 2H
-      features; the residual is the un-normalised hidden_states (EAGLE-3 `midlayer`).
+      features; the residual is the un-normalised hidden_states (EAGLE-3 `midlayer`), or hidden_norm(hidden_states)
+      with config.norm_before_residual (speculators' variant).
     """
 
     MODES = ("llama", "eagle", "eagle3")
@@ -201,6 +202,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         if mode == "eagle3":
             self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.norm_before_residual = mode == "eagle3" and config.norm_before_residual
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
 
@@ -218,7 +220,9 @@ class DecoderLayer(nn.Module):
         if self.mode == "eagle3":
             if inputs_embeds is None:
                 raise ValueError("DecoderLayer(mode='eagle3') needs inputs_embeds")
-            x = torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden_states)], dim=-1)
+            normed = self.hidden_norm(hidden_states)
+            residual = normed if self.norm_before_residual else hidden_states
+            x = torch.cat([self.input_layernorm(inputs_embeds), normed], dim=-1)
         elif inputs_embeds is not None:
             raise ValueError(f"DecoderLayer(mode={self.mode!r}) takes no inputs_embeds")
         elif self.mode == "llama":

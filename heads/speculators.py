@@ -36,7 +36,8 @@ SPECULATORS_VERSION = "0.9.0"
 ARCHITECTURE = "Eagle3DraftModel"  # speculators' EAGLE-3 model class (vLLM replaces it by Eagle3LlamaForCausalLM)
 # Keys vLLM reads with a default that differs from what our head computes when the key is absent.
 VLLM_DEFAULTS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
-OUR_VALUES = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+# What our EAGLE-3 head computes: norm_before_residual per head (HeadsConfig.norm_before_residual), the rest never.
+OUR_VALUES = {"norm_before_fc": False, "fc_norm": False, "norm_output": False}
 _OURS_TO_FILE = ("midlayer.", "layers.0.")
 
 
@@ -76,6 +77,7 @@ def speculators_config(config: HeadsConfig, engine_keys: dict[str, Any], *, veri
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.target_layers),
+        "norm_before_residual": bool(config.norm_before_residual),
         **OUR_VALUES,
         "embed_requires_grad": False,
         "torch_dtype": config.dtype,
@@ -101,8 +103,8 @@ def from_file_names(tensors: dict[str, Tensor], source: str) -> dict[str, Tensor
 def check_source_config(data: dict[str, Any], source: str) -> dict[str, Any]:
     """Validate a speculators config.json for import; returns its transformer_layer_config.
 
-    Refuses (one line each) another speculators_model_type, and any norm flag whose value is not what our head
-    computes (an absent norm_before_residual is ambiguous: vLLM reads true, speculators false).
+    Refuses (one line each) another speculators_model_type, an absent norm_before_residual (ambiguous: vLLM reads
+    true, speculators false; either value is imported as stated), and any other norm flag our head does not compute.
     """
     kind = data.get("speculators_model_type")
     if kind not in SUPPORTED_TYPES:

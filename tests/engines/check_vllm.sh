@@ -54,7 +54,7 @@ fi
 
 # Our side: plain HF target, small heads, --to vllm exports, our runtime's output and acceptance -> plan.json.
 "$PYTHON" tests/engines/prepare_heads.py --work_dir "$WORK" --train_steps "${ENGINE_CHECK_STEPS:-40}" \
-    --eagle3_train_steps "${ENGINE_CHECK_EAGLE3_STEPS:-40}" --kinds "${ENGINE_CHECK_KINDS:-speculators,eagle3,eagle,medusa}"
+    --eagle3_train_steps "${ENGINE_CHECK_EAGLE3_STEPS:-40}" --kinds "${ENGINE_CHECK_KINDS:-speculators,speculators_nbr,eagle3,eagle,medusa}"
 
 # vLLM's side, in its own venv and one process; its log is kept, the verdict lines are printed.
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0

@@ -33,8 +33,10 @@ from heads.cli import parse_flags  # noqa: E402
 
 # kind -> (training --method, vLLM speculative_config method). MTP: no engine loads user-trained MTP modules.
 # `speculators`: the eagle3 heads in the speculators layout; vLLM takes the method from its config.json.
-KINDS = {"speculators": ("eagle3", None), "eagle3": ("eagle3", "eagle3"), "eagle": ("eagle", "eagle"),
-         "medusa": ("medusa", "medusa")}
+# `speculators_nbr`: the same heads set to compute norm_before_residual (the residual after hidden_norm, as many
+# published speculators checkpoints do): vLLM reads the key as written and must accept what our runtime accepts.
+KINDS = {"speculators": ("eagle3", None), "speculators_nbr": ("eagle3", None), "eagle3": ("eagle3", "eagle3"),
+         "eagle": ("eagle", "eagle"), "medusa": ("medusa", "medusa")}
 
 
 @dataclass
@@ -168,11 +170,13 @@ def main(argv: list[str] | None = None) -> None:
         method = KINDS[kind][0]
         out = work / method
         heads_dir = train_heads(flags, method, data, out)
-        if kind == "speculators":  # the verifier as vLLM loads it (a GGUF target's plain HF copy), our chain length
-            exported = out / "speculators"
+        if kind == "speculators_nbr":
+            heads_dir = with_norm_before_residual(heads_dir, out / "heads_norm_before_residual")
+        if kind.startswith("speculators"):  # the verifier as vLLM loads it (a GGUF target's plain HF copy), our chain
+            exported = out / kind           # length
             export_main(["--heads", str(heads_dir), "--to", "speculators", "--output_dir", str(exported),
                          "--verifier", str(base), "--speculative_tokens", str(flags.chain)])
-            traps = write_traps(exported, out)
+            traps = write_traps(exported, out) if kind == "speculators" else {}
         else:
             exported = out / "vllm"
             export_main(["--heads", str(heads_dir), "--to", "vllm", "--output_dir", str(exported)])
@@ -206,6 +210,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
     print(f"[ours] plan -> {work / 'plan.json'}")
+
+
+def with_norm_before_residual(heads_dir: Path, out: Path) -> Path:
+    """A copy of EAGLE-3 heads whose config says norm_before_residual: the same weights, another computation."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(heads_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["specheads"]["norm_before_residual"] = True
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
 
 
 def write_traps(exported: Path, out: Path) -> dict[str, str]:

@@ -159,7 +159,6 @@ def test_speculators_full_vocabulary_ships_no_mapping(target, tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(speculators_model_type="dflash"),
      r"speculators_model_type 'dflash' is not supported; supported: \['eagle3'\]"),
-    (lambda c: c.update(norm_before_residual=True), "norm_before_residual is True; our EAGLE-3 head computes"),
     (lambda c: c.pop("norm_before_residual"), "no norm_before_residual; vLLM reads that as true"),
     (lambda c: c.update(norm_before_fc=True), "norm_before_fc is True"),
     (lambda c: c.update(embed_requires_grad=True), "embed_requires_grad is true: the checkpoint trained its own"),
@@ -178,6 +177,40 @@ def test_speculators_import_refusals(saved, target, tmp_path, capsys, edit, mess
                                str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(out) in err, err
+
+
+def test_norm_before_residual_checkpoints_import_and_compute_it(saved, target, tmp_path):
+    """A speculators checkpoint trained with norm_before_residual (many published ones): imported as such, the
+    midlayer's residual is hidden_norm(hidden) (speculators' and vLLM's definition); the speculators and vLLM exports
+    write the key true, the SGLang / reference layouts (no such key) refuse the heads."""
+    out = export_heads(saved, "speculators", tmp_path / "x")
+    config = json.loads((out / "config.json").read_text())
+    config["norm_before_residual"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    heads = import_checkpoint(out, target.config, TARGET_NAME)
+    assert heads.config.norm_before_residual is True
+    layer = heads.midlayer
+    gen = torch.Generator().manual_seed(0)
+    hidden, embeds = torch.randn(1, 5, H, generator=gen), torch.randn(1, 5, H, generator=gen)
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        got, _ = layer(hidden, positions, inputs_embeds=embeds)
+        normed = layer.hidden_norm(hidden)
+        cos, sin = layer.rotary(positions, hidden.dtype)
+        attn, _ = layer.self_attn(torch.cat([layer.input_layernorm(embeds), normed], -1), cos, sin, None, None)
+        want = normed + attn  # the residual is the normalised hidden state
+        want = want + layer.mlp(layer.post_attention_layernorm(want))
+    assert torch.equal(got, want)
+    assert not torch.equal(got, load_heads(saved).midlayer(hidden, positions, inputs_embeds=embeds)[0])
+    heads.save_pretrained(tmp_path / "nbr")
+    assert json.loads((export_heads(tmp_path / "nbr", "speculators", tmp_path / "s") / "config.json").read_text())[
+        "norm_before_residual"] is True
+    assert json.loads((export_heads(tmp_path / "nbr", "vllm", tmp_path / "v") / "config.json").read_text())[
+        "norm_before_residual"] is True
+    _assert_identical(heads, import_checkpoint(tmp_path / "s", target.config, TARGET_NAME), target)
+    for to in ("sglang", "eagle"):
+        with pytest.raises(ValueError, match=f"--to {to}: these EAGLE-3 heads compute norm_before_residual"):
+            export_heads(tmp_path / "nbr", to, tmp_path / to)
 
 
 def test_speculators_refuses_other_kinds(tmp_path, target):
