@@ -30,8 +30,11 @@ across runs: the kernel decides the rounding). For float32 weights auto then mea
 that choice on a 1-token step and the VERIFY_PROBE verifies, interleaved, and takes it when it is at least 5% faster
 summed over them and not slower (by more than 5%) at 1 token: plain decoding runs on it too (measured here: 1 / 2 /
 3 / 4 / 8 tokens 65 / 92 / 105 / 115 / 133 ms transposed+packed3, 53 / 62 / 71 / 75 / 95 ms transposed+panels).
-CUDA and models under 10M parameters (weights that sit in cache, where the layout does not matter) stay `rows`
-without measuring. Cost curves are keyed by the layout
+A bfloat16 model on a CPU gets `rows+panels` without measuring, whatever its size: every product then runs the
+batch-invariant kernel, so a verify computes what one-token steps compute (with runtime.kernels.row_attention:
+speculative output == plain bf16 decoding), and bf16 panels were the measured choice on every CPU tried anyway.
+CUDA and float32 models under 10M parameters (weights that sit in cache, where the layout does not matter) stay
+`rows` without measuring. Cost curves are keyed by the layout
 (runtime.layout.model_fingerprint).
 """
 
