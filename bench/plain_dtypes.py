@@ -1,7 +1,7 @@
 """Plain decoding speed per dtype, and llama.cpp's on the same weights: what halving the bytes buys.
 
     python -m bench.plain_dtypes --model ../shared/models/smollm2-135m-instruct --max_prompts 4 \\
-        --llama_bench PATH/llama-bench --gguf bfloat16=smollm2-bf16.gguf --gguf float32=smollm2-f32.gguf \\
+        --llama_bench PATH/llama-bench --gguf bfloat16=smollm2-bf16.gguf float32=smollm2-f32.gguf \\
         --output_json results/plain_dtypes_smollm2.json
 
 Our plain loop (no drafter) runs the same prompts in each `--dtypes` entry on the layout auto picks, one thread,
@@ -40,7 +40,7 @@ class PlainDtypesArguments:
     repeats: int = field(default=2, metadata={"help": "rounds; the fastest run of each prompt and dtype is kept"})
     llama_bench: str = field(default="", metadata={"help": "llama.cpp's llama-bench binary; empty = skip llama.cpp"})
     gguf: list[str] = field(default_factory=list, metadata={
-        "help": "DTYPE=FILE.gguf (repeatable): llama.cpp runs of the same weights, compared with our DTYPE"})
+        "help": "DTYPE=FILE.gguf entries (space-separated): llama.cpp runs of the same weights, compared with our DTYPE"})
     output_json: str = field(default="outputs/bench/plain_dtypes.json", metadata={"help": "results (JSON)"})
 
 
