@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,28 +77,34 @@ def _grouped_kv_in_kernel(enabled: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _attention_in_float32(enabled: bool) -> Iterator[None]:
+def _sdpa_replaced(enabled: bool, wrap: Callable) -> Iterator[None]:
+    """Around one of our forwards, transformers' sdpa entry replaced by `wrap(original)` (restored afterwards); a
+    no-op when not enabled or when that wrapper is already installed."""
+    original = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if not enabled or original is None or getattr(original, "_specheads_wrap", None) is wrap:
+        yield
+        return
+    replacement = wrap(original)
+    replacement._specheads_wrap = wrap
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = replacement
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+def _sdpa_in_float32(original: Callable) -> Callable:
     """A bfloat16 model on a CPU without AVX512-BF16/AMX: torch's sdpa kernel emulates bfloat16 (283 us per layer
     for one query over 257 keys of SmolLM2-135M, one thread, against 55 us in float32), so around our own forwards
     transformers' sdpa entry is wrapped to widen q/k/v (and an additive mask) to float32 and round the output back
     once: 88 us with the copies, ~6 ms of a 46 ms decode step; a more exact softmax, not a less exact one."""
-    original = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if not enabled or original is None or getattr(original, "_specheads_float32", False):
-        yield
-        return
-
     def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
         out, weights = original(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
         return out.to(query.dtype), weights
 
-    sdpa_in_float32._specheads_float32 = True
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_in_float32
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+    return sdpa_in_float32
 
 
 # attention arguments the row kernel does not implement: with any of them the model's own attention runs
@@ -117,32 +123,26 @@ def row_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_mask
             and kernels.library() is not None)
 
 
-@contextmanager
-def _attention_by_rows(enabled: bool) -> Iterator[None]:
+def _attention_by_rows(original: Callable) -> Callable:
     """Batch-invariant attention around our own forwards: every decode step and verify (up to 64 query rows; not the
-    prefill, which plain and speculative decoding share) runs
-    `kernels.row_attention`, which reduces each query row alone over the keys its mask allows, in slot order. So a
-    k-token verify computes, row by row, the same bits as the one-token steps that would have produced the same
-    tokens (the Linear layers are batch-invariant through the panel kernel, norms and rotary are per row): in
-    bfloat16 a verified draft no longer flips a near-tie, and speculative output equals plain decoding's. Calls it
-    does not implement (a long prefill, softcapping, sinks, ...) go to the model's own attention."""
-    original = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if not enabled or original is None or getattr(original, "_specheads_rows", False):
-        yield
-        return
+    prefill, which plain and speculative decoding share) runs `kernels.row_attention`, which reduces each query row
+    alone over the keys its mask allows, in slot order. So a k-token verify computes, row by row, the same bits as
+    the one-token steps that would have produced the same tokens (the Linear layers are batch-invariant through the
+    panel kernel, norms and rotary are per row): in bfloat16 a verified draft no longer flips a near-tie, and
+    speculative output equals plain decoding's. Calls it does not implement (a long prefill, softcapping, sinks,
+    ...) go to the model's own attention. The allowed keys of each mask are derived once per forward, not per
+    layer (every layer of a forward gets the same mask object, one per layer type)."""
+    allowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(mask) -> (mask, its allowed keys [B, Q, L])
 
     def attention_by_rows(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if not row_attention_applies(query, key, attention_mask, dropout, **kwargs):
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if id(attention_mask) not in allowed:  # the mask is kept alive with it, so its id is not reused meanwhile
+            allowed[id(attention_mask)] = (attention_mask, (attention_mask[:, 0] == 0).to(torch.uint8))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return kernels.row_attention(query, key, value, attention_mask[:, 0] == 0, scale), None
+        return kernels.row_attention(query, key, value, allowed[id(attention_mask)][1], scale), None
 
-    attention_by_rows._specheads_rows = True
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_by_rows
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+    return attention_by_rows
 
 
 class TargetError(ValueError):
@@ -324,8 +324,8 @@ class TargetModel:
             kwargs["position_ids"] = positions.to(self.device)
         step = "prefill" if self.slots == 0 else ("verify" if self.flag == "--model" else "draft")
         try:
-            with _grouped_kv_in_kernel(self._gqa_in_kernel), _attention_in_float32(self._float32_attention), \
-                    _attention_by_rows(self._rows_attention and self.slots > 0):
+            with _grouped_kv_in_kernel(self._gqa_in_kernel), _sdpa_replaced(self._float32_attention, _sdpa_in_float32), \
+                    _sdpa_replaced(self._rows_attention and self.slots > 0, _attention_by_rows):
                 return self.model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=True,
                                   output_hidden_states=list(hidden_state_indices) or False,
                                   logits_to_keep=logits_to_keep, **kwargs)
