@@ -169,7 +169,8 @@ def _panels_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     (autograd, another dtype) keeps the stored weight."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     panels = module.__dict__[_PANELS]
-    if x.dtype not in (module.weight.dtype, torch.float32) or torch.is_grad_enabled() or rows == 0:
+    if (x.dtype not in (module.weight.dtype, torch.float32) or torch.is_grad_enabled() or rows == 0
+            or (panels.ndim == 4 and x.dtype != torch.bfloat16)):
         return nn.functional.linear(x, module.weight, module.bias)
     if panels.dtype != torch.bfloat16 and rows > kernels.PANEL_MAX_ROWS:
         return nn.functional.linear(x, module.weight, module.bias)
@@ -228,7 +229,11 @@ def panels_unavailable(model: nn.Module) -> str:
 def _panel_copy(weight: torch.Tensor, rounded: bool) -> torch.Tensor:
     """Panels in bfloat16 when the weight is bfloat16, when every float32 value is one (a bf16 checkpoint loaded in
     float32: the same numbers in half the bytes, so the same products to the last bit), or when rounding is asked
-    for (`+panels_bf16`); float32 panels otherwise."""
+    for (`+panels_bf16`); float32 panels otherwise. A bfloat16 model's weights (bfloat16 rows) take the AVX512-BF16
+    dot panels where the CPU has them (`kernels.bf16_dot`: a quarter of the instructions, 1.5x faster at one row
+    and 2-3x at 4-8 rows on SmolLM2's weights)."""
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and kernels.bf16_dot():
+        return kernels.pack_panels(weight, dot=True)
     if weight.dtype == torch.float32 and (rounded or torch.equal(weight.to(torch.bfloat16).float(), weight)):
         weight = weight.to(torch.bfloat16)
     return kernels.pack_panels(weight)

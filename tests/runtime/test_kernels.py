@@ -80,3 +80,39 @@ def test_bad_input_and_a_missing_compiler_are_named(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no-such-cc"):
         kernels.build(tmp_path)
     assert not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.skipif(not kernels.bf16_dot(), reason="no AVX512-BF16 dot kernel on this CPU (or SPECHEADS_CPU_BF16=emulated)")
+@pytest.mark.parametrize(("out_features", "in_features"), [(203, 96), (16, 2), (37, 576)])
+def test_dot_panels_sum_bf16_rows_in_float32_batch_invariantly(out_features, in_features):
+    """AVX512-BF16 dot panels: bfloat16 rows times bfloat16 weights, products exact and summed in float32 (within a
+    bf16 rounding of the exact sum), every output the same chain whatever the number of rows beside it."""
+    generator = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator)
+    panels = kernels.pack_panels(weight, dot=True)
+    assert panels.shape == (-(-out_features // 16), in_features // 2, 16, 2) and panels.dtype == torch.bfloat16
+    x = torch.randn(30, in_features, generator=generator).to(torch.bfloat16)
+    out = kernels.panel_linear(x, panels, out_features, bias)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-3).all()
+    assert (out != exact.to(torch.bfloat16)).float().mean().item() < 0.01
+    for rows in range(1, 14):
+        assert torch.equal(kernels.panel_linear(x[:rows], panels, out_features, bias), out[:rows])
+
+
+@pytest.mark.skipif(not kernels.bf16_dot(), reason="no AVX512-BF16 dot kernel on this CPU (or SPECHEADS_CPU_BF16=emulated)")
+def test_dot_panels_refuse_float32_rows_and_odd_widths():
+    panels = kernels.pack_panels(torch.randn(16, 8).to(torch.bfloat16), dot=True)
+    with pytest.raises(ValueError, match="bfloat16 rows for dot panels"):
+        kernels.panel_linear(torch.randn(2, 8), panels, 16)
+    with pytest.raises(ValueError, match="even in_features"):
+        kernels.pack_panels(torch.randn(16, 7).to(torch.bfloat16), dot=True)
+    with pytest.raises(ValueError, match="even in_features"):
+        kernels.pack_panels(torch.randn(16, 8), dot=True)
+
+
+def test_emulated_cpu_kind_keeps_the_widening_kernel(monkeypatch):
+    """SPECHEADS_CPU_BF16=emulated runs the AVX2 machines' code path (widen and FMA) on any CPU."""
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", "emulated")
+    assert not kernels.bf16_dot()
