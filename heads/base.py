@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from heads.checkpoint import load_heads, push_to_hub, save_heads
-from heads.config import HEAD_CLASSES, KINDS, HeadsConfig
+from heads.config import HEAD_CLASSES, KINDS, OWN_LM_HEAD_KINDS, HeadsConfig
 from heads.draft_vocab import validate_vocab_mapping
 from heads.layers import LayerKV
 
@@ -69,7 +69,7 @@ class HeadsModule(nn.Module):
     def _install_draft_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
         """Register d2t/t2d as buffers (EAGLE-3: saved in the weights; other kinds: kept out of the engine-facing
         weights file and saved next to it by heads.checkpoint)."""
-        persistent = self.config.kind == "eagle3"
+        persistent = self.config.kind in OWN_LM_HEAD_KINDS
         self.register_buffer("d2t", d2t.clone(), persistent=persistent)
         self.register_buffer("t2d", t2d.clone(), persistent=persistent)
 
@@ -80,7 +80,7 @@ class HeadsModule(nn.Module):
         draft through full-vocabulary projections, so any Vd works: only the drafting logits are restricted to
         those rows (the target still verifies every token), and `config.draft_vocab_size` records Vd.
         """
-        fixed = self.config.kind == "eagle3"
+        fixed = self.config.kind in OWN_LM_HEAD_KINDS
         size = self.config.draft_vocab_size if fixed else int(d2t.numel())
         validate_vocab_mapping(d2t, t2d, self.config.vocab_size, size, f"{type(self).__name__}.set_vocab_mapping")
         if fixed:

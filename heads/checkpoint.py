@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from heads.config import HEAD_CLASSES, HeadsConfig
+from heads.config import HEAD_CLASSES, OWN_LM_HEAD_KINDS, HeadsConfig
 from heads.draft_vocab import validate_vocab_mapping
 
 if TYPE_CHECKING:  # annotations only: heads.base imports this module for save_pretrained / from_pretrained
@@ -87,6 +87,11 @@ def _llama_keys(config: HeadsConfig) -> dict[str, Any]:
     return keys
 
 
+def draft_layer_keys(config: HeadsConfig) -> dict[str, Any]:
+    """The Llama config keys of the draft's decoder layer geometry (exports build engine configs from them)."""
+    return _llama_keys(config)
+
+
 def engine_config(config: HeadsConfig) -> dict[str, Any]:
     """Top-level config.json keys for our native layout of `config.kind` (see heads/FORMATS.md)."""
     if config.kind == "medusa":
@@ -110,6 +115,12 @@ def engine_config(config: HeadsConfig) -> dict[str, Any]:
                 # vLLM's EAGLE-3 layer reads it (default false); written only when set, so that the usual heads
                 # keep the config SGLang and the reference read
                 **({"norm_before_residual": True} if config.norm_before_residual else {})}
+    if config.kind in ("dflash", "peagle"):
+        # our own layout (`python -m heads.export --to speculators` writes the one vLLM loads)
+        return {"architectures": ["SpecheadsDFlash" if config.kind == "dflash" else "SpecheadsPEagle"],
+                "block_size": config.block_size, "mask_token_id": config.mask_token_id,
+                "num_hidden_layers": config.num_draft_layers,
+                "aux_hidden_state_layer_ids": list(config.target_layers)}
     return {"architectures": ["SpecheadsMTP"], "mtp_num_depths": config.mtp_num_depths}
 
 
@@ -142,7 +153,8 @@ def write_json(path: Path, data: dict) -> None:
 # ---- model card ----------------------------------------------------------------------------------------
 
 _METHOD = {"medusa": "Medusa heads", "eagle": "EAGLE-1/2 draft layer", "eagle3": "EAGLE-3 draft layer",
-           "mtp": "multi-token prediction (DeepSeek-V3 style) modules"}
+           "mtp": "multi-token prediction (DeepSeek-V3 style) modules", "dflash": "DFlash block-diffusion drafter",
+           "peagle": "P-EAGLE parallel EAGLE-3 drafter"}
 
 
 def model_card(config: HeadsConfig) -> str:
@@ -189,8 +201,8 @@ def save_heads(heads: HeadsModule, directory: str | Path) -> Path:
     """Write config.json, the weights file and README.md into `directory` (atomically). Returns the path."""
     config = heads.config
     config.dtype = _tensor_dtype(heads)
-    separate_vocab = config.kind != "eagle3" and heads.has_draft_vocab
-    if config.kind == "eagle3" or separate_vocab:
+    separate_vocab = config.kind not in OWN_LM_HEAD_KINDS and heads.has_draft_vocab
+    if config.kind in OWN_LM_HEAD_KINDS or separate_vocab:
         validate_vocab_mapping(heads.d2t.cpu(), heads.t2d.cpu(), config.vocab_size, config.draft_vocab_size,
                                "save_heads")
     tensors = {name: t.detach().to("cpu").contiguous().clone()
@@ -282,11 +294,11 @@ def load_heads(directory_or_repo: str | Path, target: Any = None, *, target_name
     tensors = file_to_module_names(config.kind, read_safetensors(wfile))
     heads = build_heads(config)
     check_state(heads, tensors, str(wfile))
-    if config.kind == "eagle3":
+    if config.kind in OWN_LM_HEAD_KINDS:
         validate_vocab_mapping(tensors["d2t"], tensors["t2d"], config.vocab_size, config.draft_vocab_size,
                                str(wfile))
     heads.load_state_dict(tensors, strict=True)
-    if config.kind != "eagle3" and config.draft_vocab_size:
+    if config.kind not in OWN_LM_HEAD_KINDS and config.draft_vocab_size:
         vocab = read_safetensors(directory / DRAFT_VOCAB_FILE)
         if set(vocab) != {"d2t", "t2d"}:
             raise ValueError(f"{directory / DRAFT_VOCAB_FILE}: expected tensors d2t and t2d, got {sorted(vocab)}")

@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
-KINDS = ("medusa", "eagle", "eagle3", "mtp")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "dflash", "peagle")
+# kinds whose draft reads several target layers (EAGLE-3 style `fc` over their concatenation)
+MULTI_LAYER_KINDS = ("eagle3", "dflash", "peagle")
+# kinds with their own reduced-vocabulary lm_head and d2t/t2d saved in the weights
+OWN_LM_HEAD_KINDS = ("eagle3", "peagle")
+# kinds drafting a whole block in one forward (heads/parallel.py)
+PARALLEL_KINDS = ("dflash", "peagle")
+# the largest block: a parallel draft is verified in one forward of at most this many drafted tokens (the runtime's
+# --max_tree_size default)
+MAX_BLOCK_SIZE = 64
 # kind -> head module class, filled as each class is defined (heads.base.HeadsModule.__init_subclass__)
 HEAD_CLASSES: dict[str, type] = {}
 
@@ -30,7 +39,7 @@ def default_target_layers(kind: str, num_hidden_layers: int) -> list[int]:
     (L < 8) it spreads (1, L//2, L-1) instead (engines then read the ids from config.json).
     """
     n = num_hidden_layers
-    if kind != "eagle3":
+    if kind not in MULTI_LAYER_KINDS:
         return [n]
     engine_default = [2, n // 2, n - 3]
     if len(set(engine_default)) == 3 and all(1 <= i <= n - 1 for i in engine_default):
@@ -89,6 +98,12 @@ class HeadsConfig:
     norm_before_residual: bool = False
     # MTP
     mtp_num_depths: int = 1
+    # Parallel drafters (heads/parallel.py). DFlash: a block of `block_size` slots [last token, mask x (B-1)] drafts
+    # B-1 tokens; P-EAGLE: `block_size` depths drafted in one causal forward. `mask_token_id` fills the masked
+    # slots (-1: the last vocabulary id); `num_draft_layers` decoder layers.
+    block_size: int = 0
+    mask_token_id: int = -1
+    num_draft_layers: int = 1
     # bookkeeping
     dtype: str = "float32"
     training_data: str | None = None
@@ -117,11 +132,14 @@ class HeadsConfig:
         if not self.target_layers:
             self.target_layers = default_target_layers(self.kind, self.num_hidden_layers)
         self.target_layers = [int(i) for i in self.target_layers]
-        if self.kind == "eagle3":
-            # Engines capture the input of decoder layer i (= hs[i]) for i in [1, L-1].
-            top = max(self.num_hidden_layers - 1, 1)
-            if len(self.target_layers) != 3 or not all(1 <= i <= top for i in self.target_layers):
-                raise ValueError(f"HeadsConfig.target_layers: kind 'eagle3' takes 3 hidden_states indices in "
+        if self.kind in MULTI_LAYER_KINDS:
+            # Engines capture the input of decoder layer i (= hs[i]) for i in [1, L-1]; the parallel drafters may
+            # also read hs[L] (the final normed state, what offline last-layer shards hold; not exportable to vLLM).
+            top = self.num_hidden_layers if self.kind in PARALLEL_KINDS else max(self.num_hidden_layers - 1, 1)
+            count_ok = len(self.target_layers) == 3 if self.kind == "eagle3" else len(self.target_layers) >= 1
+            if not count_ok or not all(1 <= i <= top for i in self.target_layers):
+                raise ValueError(f"HeadsConfig.target_layers: kind {self.kind!r} takes "
+                                 f"{'3' if self.kind == 'eagle3' else '1 or more'} hidden_states indices in "
                                  f"[1, {top}], got {self.target_layers}")
         elif self.target_layers != [self.num_hidden_layers]:
             raise ValueError(f"HeadsConfig.target_layers: kind {self.kind!r} reads the last hidden state "
@@ -135,9 +153,11 @@ class HeadsConfig:
         if self.kind == "medusa" and self.medusa_shared_lm_head and self.medusa_num_layers < 1:
             raise ValueError("HeadsConfig: medusa_shared_lm_head needs medusa_num_layers >= 1 (with no residual "
                              "block a head would be the target's own LM head and predict token t+1)")
-        if self.norm_before_residual and self.kind != "eagle3":
+        if self.norm_before_residual and self.kind not in OWN_LM_HEAD_KINDS:
             raise ValueError(f"HeadsConfig.norm_before_residual: an EAGLE-3 option, not for kind {self.kind!r}")
-        if self.kind == "eagle3":
+        if self.kind in PARALLEL_KINDS:
+            self._check_parallel()
+        if self.kind in OWN_LM_HEAD_KINDS:
             if self.draft_vocab_size == 0:
                 self.draft_vocab_size = self.vocab_size
             if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -148,6 +168,26 @@ class HeadsConfig:
                              f"{self.vocab_size}, got {self.draft_vocab_size}")
         if self.kind == "mtp" and self.mtp_num_depths < 1:
             raise ValueError(f"HeadsConfig.mtp_num_depths: expected >= 1, got {self.mtp_num_depths}")
+
+    def _check_parallel(self) -> None:
+        if self.block_size == 0:
+            self.block_size = 8 if self.kind == "dflash" else 4
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"--block_size: expected 2..{MAX_BLOCK_SIZE} (a block drafts at most the verify budget "
+                             f"of {MAX_BLOCK_SIZE} tokens), got {self.block_size}")
+        if self.mask_token_id == -1:
+            self.mask_token_id = self.vocab_size - 1
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"--mask_token_id: expected an id in [0, {self.vocab_size - 1}] (the target's "
+                             f"vocabulary) or -1, got {self.mask_token_id}")
+        if not 1 <= self.num_draft_layers <= 16:
+            raise ValueError(f"--num_layers: a parallel drafter takes 1..16 decoder layers, got {self.num_draft_layers}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens a parallel drafter drafts per forward: DFlash block_size - 1 (slot 0 is the last token), P-EAGLE
+        block_size (one per depth)."""
+        return self.block_size - 1 if self.kind == "dflash" else self.block_size
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod

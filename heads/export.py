@@ -37,6 +37,7 @@ from heads.checkpoint import (
     CONFIG_FILE,
     atomic_directory,
     check_compatible,
+    draft_layer_keys,
     engine_config,
     load_heads,
     model_card,
@@ -50,7 +51,8 @@ from heads.loading import load_model
 
 ENGINES = ("speculators", "vllm", "sglang", "tgi", "eagle")
 SUPPORTED = {"medusa": ("tgi", "vllm"), "eagle": ("eagle", "vllm", "sglang"),
-             "eagle3": ("speculators", "vllm", "sglang", "eagle"), "mtp": ()}
+             "eagle3": ("speculators", "vllm", "sglang", "eagle"), "mtp": (), "dflash": ("speculators",),
+             "peagle": ("speculators",)}
 # Why an engine cannot run a kind, and what to do instead (the refusal message).
 _UNSUPPORTED = {
     "mtp": "no engine loads user-trained MTP modules (vLLM's and SGLang's MTP loaders read the target's own "
@@ -59,8 +61,10 @@ _UNSUPPORTED = {
     "medusa": "Medusa heads load in TGI (--to tgi) and vLLM (--to vllm) only",
     "eagle": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
     "eagle3": "TGI speculates with Medusa/MLPSpeculator heads only; use --to vllm or --to sglang",
+    "dflash": "vLLM loads DFlash drafters in the speculators layout only: use --to speculators",
+    "peagle": "vLLM loads P-EAGLE drafters in the speculators layout only: use --to speculators",
 }
-_NOT_SPECULATORS = (f"the speculators format carries {list(speculators.SUPPORTED_TYPES)} drafts of ours only (vLLM's "
+_NOT_SPECULATORS = (f"the speculators format carries {list(speculators.EXPORT_TYPES)} drafts of ours only (vLLM's "
                     "speculators reader knows eagle3, peagle, dflash, dflash2, dspark; no Medusa or EAGLE-1/2)")
 # config.json keys that one engine reads with another meaning: an export carrying them misloads silently there.
 MISREAD_KEYS = {
@@ -144,6 +148,14 @@ def plan_export(heads, to: str, lm_head_weight: Tensor | None = None, verifier: 
     if config.norm_before_residual and to in ("sglang", "eagle"):
         raise ValueError(f"--to {to}: these EAGLE-3 heads compute norm_before_residual (the residual after "
                          f"hidden_norm), which the {to} layout has no key for; use --to speculators or --to vllm")
+    if to == "speculators" and config.kind in ("dflash", "peagle"):
+        verifier = verifier or default_verifier(config)
+        tensors = speculators.parallel_file_names(config, dict(heads.state_dict()))
+        if config.kind == "peagle" and config.draft_vocab_size == config.vocab_size:
+            tensors.pop("d2t"), tensors.pop("t2d")
+        return Exported(tensors, "model.safetensors", speculators.parallel_config(
+            config, draft_layer_keys(config), verifier=verifier.name_or_path,
+            verifier_architectures=verifier.architectures, speculative_tokens=verifier.speculative_tokens))
     if to == "speculators":
         verifier = verifier or default_verifier(config)
         tensors = module_to_file_names(config.kind, heads.state_dict())
@@ -220,7 +232,7 @@ def _plan(heads, to: str, lm_head_weight: Tensor | None) -> Exported:
 _ENGINE_NAMES = {"speculators": "vLLM (speculators format: `vllm serve HEADS`, no --speculative-config)",
                  "vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI (text-generation-inference)",
                  "eagle": "the EAGLE reference implementation (SafeAILab/EAGLE)"}
-_VLLM_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
+_VLLM_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "peagle": "eagle3"}
 _SGLANG_ALGORITHM = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 
 
@@ -332,11 +344,18 @@ def summary(out: Path, plan: Exported, config: HeadsConfig, to: str) -> list[str
         lines += [f"  speculators_model_type {plan.config['speculators_model_type']!r}, speculators_config: "
                   f"{sorted(spec)}; proposal {method['proposal_type']} x {method['speculative_tokens']}; verifier "
                   f"{spec['verifier']['name_or_path']!r} {spec['verifier']['architectures']}",
-                  f"  transformer_layer_config: {sorted(plan.config['transformer_layer_config'])}",
-                  f"  norm_before_residual {str(plan.config['norm_before_residual']).lower()} (what our head "
-                  "computes; vLLM would read an absent key as true), eagle_aux_hidden_state_layer_ids "
-                  f"{plan.config['eagle_aux_hidden_state_layer_ids']} (HF hidden_states indices), draft_vocab_size "
-                  f"{plan.config['draft_vocab_size']} of {config.vocab_size}"]
+                  f"  transformer_layer_config: {sorted(plan.config['transformer_layer_config'])}"]
+        if config.kind in ("dflash", "peagle"):
+            ids = plan.config.get("aux_hidden_state_layer_ids", plan.config.get("eagle_aux_hidden_state_layer_ids"))
+            lines.append(f"  {config.kind}: block_size {plan.config['block_size']}, mask_token_id "
+                         f"{plan.config['mask_token_id']}, {config.num_draft_layers} layer(s), target layers {ids} "
+                         f"(HF hidden_states indices), draft_vocab_size {plan.config['draft_vocab_size']} of "
+                         f"{config.vocab_size}")
+        else:
+            lines += [f"  norm_before_residual {str(plan.config['norm_before_residual']).lower()} (what our head "
+                      "computes; vLLM would read an absent key as true), eagle_aux_hidden_state_layer_ids "
+                      f"{plan.config['eagle_aux_hidden_state_layer_ids']} (HF hidden_states indices), draft_vocab_size "
+                      f"{plan.config['draft_vocab_size']} of {config.vocab_size}"]
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in sorted(plan.tensors.items()))
     lines.append(f"{plan.weights_file}: {len(plan.tensors)} tensors: {shapes}")
     if to == "speculators":

@@ -121,9 +121,10 @@ def causal_mask(batch: int, query_length: int, past_length: int, dtype: torch.dt
 
 
 class Attention(nn.Module):
-    """GQA self-attention with RoPE; q/k/v read `input_size` features (H, or 2H for EAGLE-3)."""
+    """GQA self-attention with RoPE; q/k/v read `input_size` features (H, or 2H for EAGLE-3). With `qk_norm`
+    (Qwen3, DFlash) queries and keys get a per-head RMSNorm (`q_norm`, `k_norm`) before RoPE."""
 
-    def __init__(self, config: HeadsConfig, input_size: int) -> None:
+    def __init__(self, config: HeadsConfig, input_size: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -133,14 +134,30 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+
+    def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerKV:
+        """Keys (normed, rotated) and values of x [B, S, input_size] -> LayerKV [B, KVH, S, D]: what a slot
+        contributes to the cache (DFlash projects the target's context features with it)."""
+        batch, length, _ = x.shape
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return LayerKV(apply_rope(k.transpose(1, 2), cos, sin), v)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_mask: Tensor | None,
                 past_key_value: LayerKV | None) -> tuple[Tensor, LayerKV]:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        own = self.key_value(x, cos, sin)
+        k, v = own.key, own.value
         if past_key_value is not None:
             k = torch.cat([past_key_value.key, k], dim=-2)
             v = torch.cat([past_key_value.value, v], dim=-2)
@@ -186,17 +203,19 @@ class DecoderLayer(nn.Module):
     - "eagle3": attention reads cat(input_layernorm(inputs_embeds), hidden_norm(hidden_states)) = 2H
       features; the residual is the un-normalised hidden_states (EAGLE-3 `midlayer`), or hidden_norm(hidden_states)
       with config.norm_before_residual (speculators' variant).
+
+    `qk_norm=True` adds Qwen3's per-head q/k RMSNorm ("llama" + qk_norm = a Qwen3 decoder layer, DFlash's).
     """
 
     MODES = ("llama", "eagle", "eagle3")
 
-    def __init__(self, config: HeadsConfig, mode: str = "llama") -> None:
+    def __init__(self, config: HeadsConfig, mode: str = "llama", qk_norm: bool = False) -> None:
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"DecoderLayer mode: expected one of {self.MODES}, got {mode!r}")
         self.mode = mode
         hidden = config.hidden_size
-        self.self_attn = Attention(config, 2 * hidden if mode == "eagle3" else hidden)
+        self.self_attn = Attention(config, 2 * hidden if mode == "eagle3" else hidden, qk_norm=qk_norm)
         self.mlp = MLP(config)
         if mode != "eagle":
             self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -234,3 +253,10 @@ class DecoderLayer(nn.Module):
         hidden_states = residual + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, new_kv
+
+
+def context_key_value(layer: DecoderLayer, context: Tensor, position_ids: Tensor) -> LayerKV:
+    """Keys/values a layer's attention makes of `context` [B, C, H] (already normalised: DFlash's
+    hidden_norm(fc(target features))) at `position_ids` [B, C]: the context part of that layer's cache."""
+    cos, sin = layer.rotary(position_ids, context.dtype)
+    return layer.self_attn.key_value(context, cos, sin)

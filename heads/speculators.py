@@ -30,7 +30,8 @@ from torch import Tensor
 
 from heads.config import HeadsConfig
 
-SUPPORTED_TYPES = ("eagle3",)
+SUPPORTED_TYPES = ("eagle3",)  # what `heads.convert` imports
+EXPORT_TYPES = ("eagle3", "dflash", "peagle")  # what `heads.export --to speculators` writes
 # The speculators release whose layout this follows (speculators_version in config.json).
 SPECULATORS_VERSION = "0.9.0"
 ARCHITECTURE = "Eagle3DraftModel"  # speculators' EAGLE-3 model class (vLLM replaces it by Eagle3LlamaForCausalLM)
@@ -82,6 +83,76 @@ def speculators_config(config: HeadsConfig, engine_keys: dict[str, Any], *, veri
         "embed_requires_grad": False,
         "torch_dtype": config.dtype,
     }
+
+
+def parallel_config(config: HeadsConfig, layer_keys: dict[str, Any], *, verifier: str,
+                    verifier_architectures: list[str], speculative_tokens: int) -> dict[str, Any]:
+    """config.json of the speculators layout for our DFlash / P-EAGLE heads, with the keys vLLM's readers
+    (`transformers_utils/configs/speculators/algos.py` update_dflash / update_peagle) take.
+
+    DFlash: `aux_hidden_state_layer_ids` (HF hidden_states indices; vLLM derives dflash_config.target_layer_ids =
+    ids - 1 itself), `mask_token_id`, `block_size`, `sample_from_anchor` false (slot 0 is the anchor), a Qwen3
+    `transformer_layer_config` (our layers have q/k norms) of `num_draft_layers` layers; drafts per step are always
+    block_size - 1 (vLLM's block is 1 + num_speculative_tokens slots, and a shorter bidirectional block would see
+    less than ours). P-EAGLE: EAGLE-3's keys plus `mask_token_id` (vLLM's pard_token); a Llama layer config of
+    `num_draft_layers` layers; drafts per step min(--speculative_tokens, block_size) (causal: a shorter block
+    computes the same first depths).
+    """
+    if config.kind not in ("dflash", "peagle"):
+        raise ValueError(f"speculators layout: parallel drafters only, got kind {config.kind!r}")
+    if config.num_hidden_layers in config.target_layers:
+        raise ValueError(f"--to speculators: these {config.kind} heads read hidden_states[{config.num_hidden_layers}] "
+                         f"(the target's final normed state, target_layers {config.target_layers}); vLLM captures the "
+                         f"inputs of decoder layers 1..{config.num_hidden_layers - 1} only. Train with "
+                         "--target_layer_ids inside that range to serve them with vLLM")
+    if speculative_tokens < 1:
+        raise ValueError(f"--speculative_tokens: expected >= 1, got {speculative_tokens}")
+    tokens = config.block_size - 1 if config.kind == "dflash" else min(speculative_tokens, config.block_size)
+    layer = {k: v for k, v in layer_keys.items() if k not in _NOT_LAYER_KEYS}
+    layer.update({"num_hidden_layers": config.num_draft_layers, "vocab_size": config.vocab_size,
+                  "tie_word_embeddings": False, "mlp_bias": False})
+    if config.kind == "dflash":
+        layer.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
+    else:
+        layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    out = {
+        "architectures": ["DFlashDraftModel" if config.kind == "dflash" else "PEagleDraftModel"],
+        "speculators_model_type": config.kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": config.kind,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer,
+        "target_hidden_size": config.hidden_size,
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "torch_dtype": config.dtype,
+    }
+    if config.kind == "dflash":
+        out.update({"draft_vocab_size": config.vocab_size, "aux_hidden_state_layer_ids": list(config.target_layers),
+                    "sample_from_anchor": False})
+    else:
+        out.update({"draft_vocab_size": config.draft_vocab_size,
+                    "eagle_aux_hidden_state_layer_ids": list(config.target_layers),
+                    "norm_before_residual": bool(config.norm_before_residual), "norm_before_fc": False,
+                    "embed_requires_grad": False})
+    return out
+
+
+def parallel_file_names(config: HeadsConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our DFlash / P-EAGLE tensor names are already vLLM's (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`,
+    `lm_head`, `mask_hidden`, `d2t`). P-EAGLE's later layers get the `hidden_norm` vLLM's EAGLE-3 layer class builds
+    in every layer (only layer 0 uses it): ones, never read."""
+    out = dict(tensors)
+    if config.kind == "peagle":
+        for i in range(1, config.num_draft_layers):
+            weight = tensors[f"layers.{i}.input_layernorm.weight"]
+            out[f"layers.{i}.hidden_norm.weight"] = weight.new_ones(weight.shape)
+    return out
 
 
 def to_file_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

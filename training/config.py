@@ -16,9 +16,11 @@ from typing import Any
 import yaml
 
 from heads.cli import parse_flags, read_recipe
+from heads.config import MAX_BLOCK_SIZE
 from heads.files import atomic_write_text
 
-METHODS = ("medusa", "medusa2", "eagle", "eagle3", "mtp")
+METHODS = ("medusa", "medusa2", "eagle", "eagle3", "mtp", "dflash", "peagle")
+PARALLEL_METHODS = ("dflash", "peagle")
 REPORT_TO = ("none", "wandb", "tensorboard")
 TARGET_DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 CONFIG_FILE = "train_config.yaml"
@@ -70,6 +72,20 @@ class TrainConfig:
                                   default=32000)
     eagle_fc_bias: bool = _help("EAGLE-1/2: give fc a bias. Off by default so the head exports to vLLM (fc without "
                                 "a bias) and SGLang (an explicit zero bias is written) alike.", default=False)
+
+    block_size: int = _help("DFlash: slots per block, [last token, mask x (B-1)], drafting B-1 tokens (default 8). "
+                            f"P-EAGLE: depths drafted in one forward (default 4). 0 = default; 2..{MAX_BLOCK_SIZE}.",
+                            default=0)
+    mask_token_id: int = _help("DFlash / P-EAGLE: the token id filling masked slots (its target embedding is the "
+                               "input); -1 = the last vocabulary id.", default=-1)
+    target_layer_ids: str = _help("DFlash / P-EAGLE: target layers as HF hidden_states indices 'a,b,c,...' in "
+                                  "[1, L-1]; empty = (2, L//2, L-3) as EAGLE-3.", default="")
+    num_anchors: int = _help("DFlash: blocks (random anchors) per training sequence, all in one forward under one "
+                             "mask.", default=16)
+    position_gamma: float = _help("DFlash: weight of block slot k (1-based) is exp(-(k-1)/gamma).", default=7.0)
+    peagle_keep_ratio: float = _help("P-EAGLE: depth d trains on n * max(r^d, r_min) of the n positions; this is r.",
+                                     default=0.75)
+    peagle_min_keep: float = _help("P-EAGLE: r_min of --peagle_keep_ratio.", default=0.2)
 
     label_source: str = _help("Labels of Medusa-1, EAGLE and EAGLE-3 (training and held-out accuracy): 'target' = the "
                               "target's own greedy next token after the dataset prefix (what greedy verification "
@@ -184,6 +200,17 @@ class TrainConfig:
             raise ValueError("--eval_features: shards of --eval_dataset; set --eval_dataset too")
         if self.eagle3_layers:
             eagle3_layers(self)  # validates the format
+        _check(self.block_size == 0 or 2 <= self.block_size <= MAX_BLOCK_SIZE, "--block_size",
+               f"0 (default) or 2..{MAX_BLOCK_SIZE} (a block drafts at most the verify budget of {MAX_BLOCK_SIZE} "
+               "tokens)", self.block_size)
+        _check(self.mask_token_id >= -1, "--mask_token_id", "-1 (the last vocabulary id) or a token id",
+               self.mask_token_id)
+        _check(self.num_anchors >= 1, "--num_anchors", "an integer >= 1", self.num_anchors)
+        _check(self.position_gamma > 0, "--position_gamma", "> 0", self.position_gamma)
+        _check(0 < self.peagle_keep_ratio <= 1, "--peagle_keep_ratio", "a value in (0, 1]", self.peagle_keep_ratio)
+        _check(0 < self.peagle_min_keep <= 1, "--peagle_min_keep", "a value in (0, 1]", self.peagle_min_keep)
+        if self.target_layer_ids:
+            target_layer_ids(self)  # validates the format
 
     def fingerprint(self) -> dict[str, Any]:
         """The fields a resumed run must share with the checkpoint it resumes."""
@@ -208,6 +235,20 @@ def eagle3_layers(config: TrainConfig) -> tuple[int, int, int] | None:
     if len(layers) != 3:
         raise ValueError(f"--eagle3_layers: expected three comma-separated integers, got {config.eagle3_layers!r}")
     return layers  # type: ignore[return-value]
+
+
+def target_layer_ids(config: TrainConfig) -> list[int] | None:
+    """`--target_layer_ids '2,8,15,22'` -> [2, 8, 15, 22]; empty -> None (the heads' default)."""
+    if not config.target_layer_ids:
+        return None
+    try:
+        layers = [int(x) for x in config.target_layer_ids.split(",")]
+    except ValueError as err:
+        raise ValueError(f"--target_layer_ids: expected comma-separated integers, got "
+                         f"{config.target_layer_ids!r}") from err
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--target_layer_ids: expected distinct layers, got {config.target_layer_ids!r}")
+    return layers
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ parameters (so DDP/FSDP wrap only what trains), except for Medusa-2 whose LoRA-a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,7 +30,8 @@ from heads.draft_vocab import (
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
-from training.config import TrainConfig, eagle3_layers
+from heads.parallel import DFlashDraft, PEagleDraft
+from training.config import PARALLEL_METHODS, TrainConfig, eagle3_layers, target_layer_ids
 from training.losses import (
     DepthStats,
     DepthTargets,
@@ -359,6 +361,226 @@ class MTPTraining(nn.Module):
             logits.append(self.mtp.compute_logits(hidden[targets.positions], depth=depth,
                                                   lm_head=frozen.lm_head))
         return depth_cross_entropy(logits, targets, self.config.head_decay, self.config.eval_top_k)
+def vocabulary_rows(draft: HeadsModule, lm_head: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    """(LM-head rows [Vd, H], their target ids [Vd], t2d [V] bool) of a DFlash draft's vocabulary: its draft
+    vocabulary's rows when it has one, else every row."""
+    vocab = eagle_draft_vocab(draft, lm_head)
+    if vocab is not None:
+        return vocab
+    weight = lm_head.weight.detach()
+    return weight, torch.arange(weight.shape[0], device=weight.device), torch.ones(
+        weight.shape[0], dtype=torch.bool, device=weight.device)
+
+
+def sample_anchors(loss_mask: Tensor, count: int, train: bool, generator: torch.Generator | None
+                   ) -> tuple[Tensor, Tensor]:
+    """DFlash block anchors: positions a whose next token a+1 is a label (assistant token), `count` per row.
+
+    loss_mask [B, T] -> (anchors [B, count] int64, valid [B, count] bool). Training draws them at random without
+    replacement; evaluation spreads them evenly over the candidates (deterministic). Rows with fewer candidates
+    get invalid (masked) anchors.
+    """
+    candidates = shift_left(loss_mask, 1).bool()  # [B, T]: a with a label at a + 1
+    batch, length = candidates.shape
+    device = loss_mask.device
+    if train:
+        scores = torch.rand(batch, length, generator=generator, device=device)
+    else:
+        order = torch.arange(length, device=device, dtype=torch.float32)
+        rank = candidates.cumsum(1).float()
+        total = candidates.sum(1, keepdim=True).clamp(min=1).float()
+        # evenly spaced: the candidate whose rank is nearest to i * total / count comes first
+        scores = (torch.frac(rank * count / total) + order * 1e-9)
+    scores = scores.masked_fill(~candidates, float("inf"))
+    picked = scores.argsort(dim=1)[:, :count]  # [B, min(count, T)]
+    valid = torch.gather(candidates, 1, picked)
+    if picked.shape[1] < count:
+        pad = count - picked.shape[1]
+        picked = torch.cat([picked, picked.new_zeros(batch, pad)], 1)
+        valid = torch.cat([valid, valid.new_zeros(batch, pad)], 1)
+    return torch.where(valid, picked, torch.zeros_like(picked)), valid
+
+
+def block_attention_mask(anchors: Tensor, valid: Tensor, block: int, length: int, dtype: torch.dtype) -> Tensor:
+    """Additive mask [B, 1, n*B, T + n*B]: block j's slots see the context before its anchor (t < a_j) and every
+    slot of block j (bidirectional), nothing else. anchors, valid [B, n]."""
+    batch, count = anchors.shape
+    device = anchors.device
+    context = torch.arange(length, device=device)[None, None] < anchors[..., None]  # [B, n, T]
+    context = context & valid[..., None]
+    context = context[:, :, None, :].expand(batch, count, block, length).reshape(batch, count * block, length)
+    own = torch.eye(count, dtype=torch.bool, device=device).repeat_interleave(block, 0).repeat_interleave(block, 1)
+    allowed = torch.cat([context, own[None].expand(batch, -1, -1)], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def dflash_blocks(draft: DFlashDraft, context: Tensor, input_ids: Tensor, anchors: Tensor, valid: Tensor,
+                  embed_tokens: nn.Module) -> Tensor:
+    """Every block of every sequence in one forward: context [B, T, H] (projected features), input_ids [B, T],
+    anchors / valid [B, n] -> pre-norm outputs [B, n, block_size, H] (block j = [token a_j, mask...] at a_j..,
+    seeing the context before a_j and itself: what the runtime computes for a root at a_j)."""
+    batch_size, length = input_ids.shape
+    block, count = draft.block_size, anchors.shape[1]
+    positions = torch.arange(length, device=input_ids.device)
+    cache = draft.context_cache(context, positions.expand(batch_size, -1))
+    slots = anchors[..., None] + torch.arange(block, device=input_ids.device)  # [B, n, B] positions
+    ids = draft.block_ids(torch.gather(input_ids, 1, anchors))  # [B, n, B]
+    mask = block_attention_mask(anchors, valid, block, length, context.dtype)
+    out = draft(ids.reshape(batch_size, -1), embed_tokens=embed_tokens, position_ids=slots.reshape(batch_size, -1),
+                context=cache, attention_mask=mask)
+    return out.view(batch_size, count, block, -1)
+
+
+class DFlashTraining(nn.Module):
+    """DFlash: K target layers -> context; `num_anchors` random blocks per sequence drafted in one forward under
+    one mask (block j sees the context before its anchor and itself); slot k (1..B-1) predicts token anchor+k with
+    the soft CE of EAGLE-3 (the target's distribution, over the draft vocabulary), weighted exp(-(k-1)/gamma).
+    Slot 0 (the anchor itself) has no loss. Depth d of the statistics is slot d+1."""
+
+    def __init__(self, draft: DFlashDraft, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self._target = _FrozenTarget(target)
+        self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
+        self.config = config
+
+    @property
+    def heads(self) -> HeadsModule:
+        return self.draft
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        config, frozen, draft = self.config, self._target.modules, self.draft
+        *features, last = target_hidden_states(self._target.model, batch, self.feature_layers)
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        batch_size, length = input_ids.shape
+        block = draft.block_size
+        context = draft.project(torch.cat(features, dim=-1).to(draft.fc.weight.dtype))  # [B, T, H]
+        anchors, valid = sample_anchors(loss_mask, config.num_anchors if train else 2 * config.num_anchors, train,
+                                        generator)
+        out = dflash_blocks(draft, context, input_ids, anchors, valid, frozen.embed_tokens)  # [B, n, B, H]
+        slots = anchors[..., None] + torch.arange(block, device=input_ids.device)  # [B, n, B] positions
+        rows, ids_in_draft, in_draft = vocabulary_rows(draft, frozen.lm_head)
+        total = context.new_zeros((), dtype=torch.float32)
+        stats = []
+        for k in range(1, block):
+            where = slots[..., k]  # [B, n]: the position slot k predicts
+            inside = where < length
+            at = where.clamp(max=length - 1)
+            counted = valid & inside & torch.gather(loss_mask, 1, at).bool()
+            labels = torch.gather(input_ids, 1, at)[counted]
+            with torch.no_grad():
+                target_logits = apply_head(frozen.lm_head, last[torch.arange(batch_size, device=at.device)[:, None]
+                                                                .expand_as(at)[counted], at[counted] - 1])
+            if config.label_source == "target":
+                labels = target_logits.argmax(-1)
+            predicted = out[:, :, k][counted]  # [N, H]
+            logits = draft.compute_logits(predicted, rows)  # [N, Vd]
+            loss, hits = eagle3_step_loss(logits, target_logits, labels, torch.ones_like(labels, dtype=torch.bool),
+                                          ids_in_draft, in_draft, config.eval_top_k)
+            total = total + math.exp(-(k - 1) / config.position_gamma) * loss
+            stats.append((loss, *hits))
+        return LossOutput(total, DepthStats.stack(stats), {})
+
+
+def peagle_kept(candidates: Tensor, depth: int, ratio: float, minimum: float, scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions depth `depth` trains on: of the n candidate positions of each row, the n * max(ratio^depth, minimum)
+    with the lowest `scores` (one score per position for every depth, so deeper sets are nested in shallower ones).
+    candidates [B, T] bool, scores [B, T] -> (positions [B, M] int64, valid [B, M] bool)."""
+    share = max(ratio ** depth, minimum)
+    keep = (candidates.sum(1).float() * share).ceil().long()  # [B]
+    width = max(int(keep.max()), 1)
+    order = scores.masked_fill(~candidates, float("inf")).argsort(dim=1)[:, :width]
+    valid = torch.arange(width, device=candidates.device)[None] < keep[:, None]
+    return order, valid
+
+
+def peagle_entries(draft: PEagleDraft, first: Tensor, input_ids: Tensor, groups: list[tuple[Tensor, Tensor]],
+                   embed_tokens: nn.Module) -> Tensor:
+    """All depths in one forward. first [B, T, H] (projected features), groups[d] = (positions t [B, M_d], valid
+    [B, M_d]) for d >= 1 (groups[0]: every position) -> pre-norm outputs [B, T + sum M_d, H], depth by depth.
+    Entry (d, t) sits at position t + d and sees the depth-0 entries <= t and its own chain's masked entries up to
+    depth d: what the runtime computes for a root at t + 1."""
+    batch_size, device = input_ids.shape[0], input_ids.device
+    chain = torch.cat([g[0] for g in groups], 1)  # [B, E]: the position t each entry drafts from
+    valid = torch.cat([g[1] for g in groups], 1)
+    level = torch.cat([torch.full_like(g[0], d) for d, g in enumerate(groups)], 1)
+    allowed = ((level[:, None, :] == 0) & (chain[:, None, :] <= chain[:, :, None])) | (
+        (level[:, None, :] >= 1) & (level[:, :, None] >= level[:, None, :]) &
+        (chain[:, None, :] == chain[:, :, None]) & valid[:, None, :])
+    allowed |= torch.eye(chain.shape[1], dtype=torch.bool, device=device)[None]
+    dtype = first.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    masked = sum(g[0].shape[1] for g in groups[1:])
+    hidden = torch.cat([first, draft.mask_features(masked)[None].expand(batch_size, -1, -1)], 1)
+    ids = torch.cat([shift_left(input_ids, 1),
+                     torch.full((batch_size, masked), draft.config.mask_token_id, dtype=torch.long, device=device)], 1)
+    out, _ = draft(hidden, ids, embed_tokens=embed_tokens, position_ids=chain + level, attention_mask=mask[:, None])
+    return out
+
+
+class PEagleTraining(nn.Module):
+    """P-EAGLE: EAGLE-3 entries (target features) at every position and, for depths d = 1..K-1, masked entries
+    (fc(mask_hidden), mask token) at t+d for a nested random subset of n * max(r^d, r_min) positions t, all in one
+    forward: entry (d, t) sees the depth-0 entries <= t and the masked entries of its own chain up to depth d.
+    Depth d predicts token t+2+d with EAGLE-3's soft CE, weighted head_decay**d. Evaluation keeps every position."""
+
+    def __init__(self, draft: PEagleDraft, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self._target = _FrozenTarget(target)
+        self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
+        self.config = config
+
+    @property
+    def heads(self) -> HeadsModule:
+        return self.draft
+
+    def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
+                ) -> LossOutput:
+        config, frozen, draft = self.config, self._target.modules, self.draft
+        *features, last = target_hidden_states(self._target.model, batch, self.feature_layers)
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        batch_size, length = input_ids.shape
+        device = input_ids.device
+        depths = draft.block_size
+        first = draft.project(torch.cat(features, dim=-1).to(draft.fc.weight.dtype))  # [B, T, H]
+        targets = depth_targets(input_ids, loss_mask, depths)
+        scores = torch.rand(batch_size, length, generator=generator, device=device)
+        groups = [(torch.arange(length, device=device).expand(batch_size, -1),
+                   torch.ones(batch_size, length, dtype=torch.bool, device=device))]
+        for depth in range(1, depths):
+            ratio, minimum = (config.peagle_keep_ratio, config.peagle_min_keep) if train else (1.0, 1.0)
+            groups.append(peagle_kept(targets.positions, depth, ratio, minimum, scores))
+        out = peagle_entries(draft, first, input_ids, groups, frozen.embed_tokens)
+        draft_ids = torch.arange(draft.config.draft_vocab_size, device=device)
+        draft_to_target = draft_to_target_ids(draft_ids, draft.d2t)
+        rows = torch.arange(batch_size, device=device)[:, None]
+        total = first.new_zeros((), dtype=torch.float32)
+        stats, offset = [], 0
+        for depth, ((where, ok), weight) in enumerate(zip(groups, depth_weights(depths, config.head_decay),
+                                                          strict=True)):
+            width = where.shape[1]
+            label_at = where + 2 + depth
+            inside = label_at < length
+            at = label_at.clamp(max=length - 1)
+            counted = ok & inside & torch.gather(loss_mask, 1, at).bool()
+            labels = torch.gather(input_ids, 1, at)[counted]
+            with torch.no_grad():
+                target_logits = apply_head(frozen.lm_head, last[rows.expand_as(at)[counted], at[counted] - 1])
+            if config.label_source == "target":
+                labels = target_logits.argmax(-1)
+            predicted = out[:, offset: offset + width][counted]
+            loss, hits = eagle3_step_loss(draft.compute_logits(predicted), target_logits, labels,
+                                          torch.ones_like(labels, dtype=torch.bool), draft_to_target, draft.t2d,
+                                          config.eval_top_k)
+            total = total + weight * loss
+            stats.append((loss, *hits))
+            offset += width
+        return LossOutput(total, DepthStats.stack(stats), {})
+
+
 def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
     """The HeadsConfig of `--method` for this target (ValueError from HeadsConfig names a bad option)."""
     if config.method in ("eagle", "eagle3") and config.num_layers != 1:
@@ -377,6 +599,9 @@ def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
     elif config.method == "mtp":
         kind = "mtp"
         options["mtp_num_depths"] = config.num_heads
+    elif config.method in PARALLEL_METHODS:
+        kind = config.method
+        options.update(parallel_options(config, target))
     else:
         kind = "eagle"
         options["eagle_fc_bias"] = config.eagle_fc_bias
@@ -385,6 +610,26 @@ def heads_config(config: TrainConfig, target: nn.Module) -> HeadsConfig:
     except ValueError as err:
         raise ValueError(f"heads config for --method {config.method} does not fit target {config.model}: "
                          f"{err}") from err
+
+
+def parallel_options(config: TrainConfig, target: nn.Module) -> dict[str, Any]:
+    """HeadsConfig options of --method dflash / peagle, checked against the target (one line naming the flag)."""
+    text = target.config.get_text_config()
+    layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
+    options: dict[str, Any] = {"block_size": config.block_size, "mask_token_id": config.mask_token_id,
+                               "num_draft_layers": config.num_layers}
+    ids = target_layer_ids(config)
+    if ids is not None:
+        if not all(1 <= i <= layers for i in ids):
+            raise ValueError(f"--target_layer_ids: expected HF hidden_states indices in [1, {layers}] (the target "
+                             f"{config.model} has {layers} layers), got {config.target_layer_ids!r}")
+        options["target_layers"] = ids
+    if config.mask_token_id >= vocab:
+        raise ValueError(f"--mask_token_id: expected an id in [0, {vocab - 1}] (the target's vocabulary) or -1, "
+                         f"got {config.mask_token_id}")
+    if config.method == "peagle":
+        options["draft_vocab_size"] = min(config.draft_vocab_size, vocab)
+    return options
 
 
 def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Callable[[], Iterable[list[int]]]
@@ -410,8 +655,9 @@ def initial_heads(config: TrainConfig, target: nn.Module, assistant_tokens: Call
     if isinstance(heads, MedusaHeads) and not heads.config.medusa_shared_lm_head:
         heads.init_from_lm_head(target_modules(target).lm_head.weight.detach().float())
     # EAGLE-3's lm_head rows; the other kinds draft over these rows of their full projections (heads.draft_vocab).
-    size = heads.config.draft_vocab_size if isinstance(heads, Eagle3Draft) else config.draft_vocab_size
-    if isinstance(heads, Eagle3Draft) or 0 < size < heads.config.vocab_size:
+    own = isinstance(heads, (Eagle3Draft, PEagleDraft))
+    size = heads.config.draft_vocab_size if own else config.draft_vocab_size
+    if own or 0 < size < heads.config.vocab_size:
         counts = count_tokens(assistant_tokens(), heads.config.vocab_size)
         heads.set_vocab_mapping(*build_vocab_mapping(counts, size))
     return heads.train()
@@ -444,4 +690,8 @@ def build_training_module(config: TrainConfig, target: nn.Module,
         return EagleTraining(heads, target, config)
     if config.method == "eagle3":
         return Eagle3Training(heads, target, config)
+    if config.method == "dflash":
+        return DFlashTraining(heads, target, config)
+    if config.method == "peagle":
+        return PEagleTraining(heads, target, config)
     return MTPTraining(heads, target, config)

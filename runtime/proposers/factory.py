@@ -2,7 +2,9 @@
 
 The head directory's config (`kind`) picks the proposer: medusa -> MedusaProposer (static sparse tree),
 eagle -> EagleProposer (EAGLE-2 dynamic tree by default, EAGLE-1 static tree or chain on request),
-eagle3 -> Eagle3Proposer (same tree modes), mtp -> MTPProposer (chain).
+eagle3 -> Eagle3Proposer (same tree modes), mtp -> MTPProposer (chain), dflash -> DFlashProposer and peagle ->
+PEagleProposer (parallel drafters: a Medusa-style tree grown from their per-position accuracies, a chain on
+targets that verify chains; the block is drafted in one forward whatever the size).
 
 The factory only builds proposers. Tree size (`--tree_size`): the number of draft tokens per step, i.e. Medusa
 tree nodes, EAGLE-2 `total_tokens`, or chain length. A fixed size is built as asked; for `auto` (default) the
@@ -32,6 +34,7 @@ from heads.config import HeadsConfig
 from heads.eagle import Eagle3Draft, EagleDraft
 from heads.medusa import MedusaHeads
 from heads.mtp import MTPHeads
+from heads.parallel import DFlashDraft, PEagleDraft
 from runtime.config import HeadsOptions
 from runtime.cost_model import GUARD_KV_LENGTHS, StepCosts, chain_expected_tau, measure_step_costs
 from runtime.layout import match_panels
@@ -43,6 +46,7 @@ from runtime.proposers.guard import PayingGuard
 from runtime.proposers.hybrid import HybridProposer
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
+from runtime.proposers.parallel import DFlashProposer, PEagleProposer
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 from runtime.tree_search import StaticTree, expected_accepted_lengths, grow_tree, load_tree_file, static_tree
@@ -55,7 +59,8 @@ DEFAULT_TREE_TABLE = Path(__file__).resolve().parents[2] / "configs" / "trees" /
 class HeadsProposer:
     """What `proposer_from_heads` returns: the proposer, its heads' config, and how the size was chosen."""
 
-    proposer: MedusaProposer | EagleProposer | MTPProposer | Autoregressive | PayingGuard | HybridProposer
+    proposer: (MedusaProposer | EagleProposer | MTPProposer | DFlashProposer | PEagleProposer | Autoregressive |
+               PayingGuard | HybridProposer)
     config: HeadsConfig
     size: int  # draft tokens per step (the loop's budget)
     plan: Plan | None = None  # the planner's batch-1 choice, rows: plain decoding then every shape and size
@@ -236,6 +241,9 @@ def _family(module, target: TargetModel, options: HeadsOptions, sampling: Sampli
         return DrafterFamily("medusa grown tree", [{}], lambda shape: [n for n in sizes if n < len(taus)],
                              lambda shape, n: taus[n], make, indices), notes
 
+    if isinstance(module, (DFlashDraft, PEagleDraft)):
+        return _parallel_family(module, target, options, sampling, seed, table, notes, sizes, indices)
+
     if isinstance(module, MTPHeads):
         def make(shape: dict, n: int) -> MTPProposer:
             return MTPProposer(module, target.model, n, sampling, seed)
@@ -292,6 +300,54 @@ def _family(module, target: TargetModel, options: HeadsOptions, sampling: Sampli
 
         return DrafterFamily(f"{name} dynamic tree", shapes, shape_sizes, shape_tau, make_shape, indices), notes
     raise ValueError(f"--heads: unsupported head kind {config.kind!r}")
+
+
+def _parallel_family(module: DFlashDraft | PEagleDraft, target: TargetModel, options: HeadsOptions,
+                     sampling: SamplingConfig, seed: int | None, table: list[list[float]] | None, notes: list[str],
+                     sizes: list[int], indices: tuple[int, ...]) -> HeadsProposer | tuple[DrafterFamily, list[str]]:
+    """DFlash / P-EAGLE: trees grown from the per-position accuracy table (depth d = drafted position d), as Medusa's
+    from its heads'; a fixed size without measured accuracy drafts a chain of that many positions."""
+    config = module.config
+    cls = DFlashProposer if isinstance(module, DFlashDraft) else PEagleProposer
+    depths = config.draft_tokens
+    fixed = options.fixed_size
+    source = options.tree or "tree"
+
+    def build(tree: StaticTree) -> DFlashProposer | PEagleProposer:
+        return cls(module, target.model, tree, sampling, seed, tree_source=source)
+
+    if options.tree:
+        if fixed is not None:
+            raise ValueError(f"pass either --tree FILE or --tree_size N for {config.kind} heads, not both")
+        proposer = build(load_tree_file(options.tree, num_heads=depths, vocab_size=proposer_vocab(module)))
+        return HeadsProposer(proposer, config, proposer.tree_size, None, f"{config.kind} tree {options.tree}")
+    if fixed is not None and fixed > depths and (table is None or target.mode != "tree"):
+        raise ValueError(f"--tree_size {fixed}: {config.kind} heads draft a chain of at most {depths} tokens "
+                         f"(block_size {config.block_size})")
+
+    def make(shape: dict, n: int) -> DFlashProposer | PEagleProposer:
+        if table is None:
+            return build(static_tree([[0] * d for d in range(1, n + 1)], "chain", num_heads=depths))
+        return build(static_tree(grow_tree(table[:depths], n), "grown tree", num_heads=depths))
+
+    if fixed is not None:
+        proposer = make({}, fixed)
+        shape = "chain" if table is None or target.mode != "tree" else "grown tree"
+        return HeadsProposer(proposer, config, proposer.tree_size, None, f"{config.kind} {shape}, {fixed} nodes",
+                             notes)
+    if table is None:
+        raise ValueError(f"--tree_size auto: the heads ({config.base_model_name_or_path}, kind {config.kind}) have "
+                         f"no measured accuracy (config.json metrics.top1_accuracy_per_depth, written by "
+                         f"training/train_heads.py); pass --tree_size N or --tree FILE")
+    taus = expected_accepted_lengths(table[:depths], options.max_tree_size)
+    kind = f"{config.kind} {'grown tree' if target.mode == 'tree' else 'chain'}"
+    return DrafterFamily(kind, [{}], lambda shape: [n for n in sizes if n < len(taus)], lambda shape, n: taus[n],
+                         make, indices), notes
+
+
+def proposer_vocab(module: DFlashDraft | PEagleDraft) -> int:
+    """The vocabulary a parallel drafter ranks tokens over (its draft vocabulary, or the target's)."""
+    return module.config.draft_vocab_size or module.config.vocab_size
 
 
 def need_table_column(table: list[list[float]]) -> list[float]:
