@@ -33,6 +33,7 @@ import torch
 from heads import cache
 from heads.files import atomic_write_json
 from heads.loading import dtype_name
+from runtime import kernels
 from runtime.layout import model_fingerprint
 from runtime.target import TargetModel
 from runtime.timing import (
@@ -102,9 +103,10 @@ def isotonic(values: Sequence[float]) -> list[float]:
     return [m for m, w in blocks for _ in range(int(w))]
 
 
-def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1) -> Path:
+def _cache_file(model: str, device: str, dtype: str, kv_length: int, rows: int = 1, code: str = "") -> Path:
     rows_key = "" if rows == 1 else f"__rows{rows}"
-    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}{rows_key}")
+    code_key = f"__{code}" if code else ""
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}__{device}__{dtype}__kv{kv_length}{rows_key}{code_key}")
     return cache.entry("cost_curves", f"{key}.json")
 
 
@@ -202,7 +204,9 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
         except (TypeError, ValueError, IndexError, KeyError):
             return False
 
-    return CostCurve(**cache.cached_json(_cache_file(**meta), measure, covers, use_cache))
+    # what runs the forward is part of the key (the layout is in the fingerprint): the kernels and the lean forward
+    code = f"k{kernels.source_key()}{'-lean' if target.lean_forward() is not None else ''}"
+    return CostCurve(**cache.cached_json(_cache_file(**meta, code=code), measure, covers, use_cache))
 
 
 def predicted_speedup(tau: float, verify_seconds: float, draft_seconds: float, plain_seconds: float,

@@ -342,6 +342,11 @@ int row_attention(const void *q, long qsb, long qsh, long qst, const void *k, co
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 
 
+def source_key() -> str:
+    """A short fingerprint of the kernels' source (measurements of them are cached under it)."""
+    return hashlib.sha256(SOURCE.encode()).hexdigest()[:8]
+
+
 def _cpu_key() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -431,6 +436,7 @@ def unavailable_reason() -> str:
 
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
+PANELS_ATTR = "_specheads_panels"  # a Linear's panels (module.__dict__ key; runtime.layout attaches them)
 DOT_PANEL = 16  # output columns per dot panel: one 512-bit vector of float32
 
 

@@ -71,7 +71,7 @@ VERIFY_PROBE = (2, 3, 4, 8)  # verify sizes measured with and without packing un
 PANEL_PROBE = (1, *VERIFY_PROBE)  # and with panels (their 1-token step is plain decoding's too)
 _PACKED = "_specheads_packed"
 _PACKED_ROWS = "_specheads_packed_rows"
-_PANELS = "_specheads_panels"
+_PANELS = kernels.PANELS_ATTR
 _ROUNDED = "_specheads_panels_rounded"  # panels rounded to bfloat16 on request (`+panels_bf16`)
 _LAYOUT = re.compile(r"(rows|transposed)(\+packed([2-9]|[1-9][0-9]+)?|\+panels(_bf16)?)?")
 

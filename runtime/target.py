@@ -47,6 +47,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from heads.loading import fast_bf16
 from runtime import kernels
 from runtime.kv_cache import compact_rows
+from runtime.lean import LeanForward, lean_unavailable
 from runtime.masks import rows_attention_mask, tree_attention_mask
 from runtime.tree import Tree
 
@@ -221,6 +222,10 @@ class TargetModel:
         # alone: the row kernel makes verify == steps bit for bit (float32 keeps torch's faster sdpa)
         self._rows_attention = cpu_sdpa and self.dtype == torch.bfloat16 and kernels.library() is not None
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # decode steps and verifies through runtime.lean (set by the load-time verify check when that forward gives
+        # transformers' logits bit for bit on this model; rebuilt after a weight layout change)
+        self.lean_wanted = False
+        self._lean: LeanForward | None = None
         self.cache: DynamicCache | None = None
         self.row_lengths: list[int] = [0]  # committed tokens in the cache, per row (one row per sequence)
         self.slots = 0  # committed-region slots of the cache: the longest row (rows shorter than it have holes)
@@ -323,7 +328,12 @@ class TargetModel:
         if self.mode == "tree" or self._takes_positions:
             kwargs["position_ids"] = positions.to(self.device)
         step = "prefill" if self.slots == 0 else ("verify" if self.flag == "--model" else "draft")
+        lean = self.lean_forward() if (self.slots > 0 and input_ids.shape[1] <= kernels.ROW_ATTENTION_MAX_QUERIES
+                                       and not isinstance(mask, dict)) else None
         try:
+            if lean is not None:
+                return lean(self.cache, input_ids.to(self.device), positions.to(self.device), mask[:, 0] == 0,
+                            hidden_state_indices, logits_to_keep)
             with _grouped_kv_in_kernel(self._gqa_in_kernel), _sdpa_replaced(self._float32_attention, _sdpa_in_float32), \
                     _sdpa_replaced(self._rows_attention and self.slots > 0, _attention_by_rows):
                 return self.model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=True,
@@ -333,6 +343,14 @@ class TargetModel:
             raise TargetError(f"{self.describe()}: {step} forward of {input_ids.numel()} tokens at positions "
                               f"{int(positions.min())}..{int(positions.max())} failed ({self.mode} mode): "
                               f"{type(error).__name__}: {_first_line(error)}") from error
+
+    def lean_forward(self) -> LeanForward | None:
+        """The lean forward for this model's current weight layout when it is wanted and can serve (else None)."""
+        if not self.lean_wanted or self.mode != "tree":
+            return None
+        if self._lean is None or not self._lean.current():
+            self._lean = None if lean_unavailable(self.model) else LeanForward(self.model)
+        return self._lean
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[torch.Tensor], trees: list[Tree],

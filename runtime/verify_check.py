@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +42,7 @@ from heads import cache
 from heads.files import atomic_write_json
 from heads.loading import dtype_name
 from runtime.layout import check_layout, choose_layout
+from runtime.lean import lean_unavailable
 from runtime.target import SUPPORTED_ATTENTION, TargetError, TargetModel
 from runtime.tree import Tree
 
@@ -323,6 +325,68 @@ def steps_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
             f"near-ties of the two best logits can flip; --exact decodes in float32")
 
 
+LEAN_ENV = "SPECHEADS_LEAN"  # "off": decode steps and verifies keep transformers' forward (A/B measurements)
+
+
+def lean_matches(target: TargetModel, tokens: int = STEPS_PROBE, seed: int = 1) -> str:
+    """'' when the lean forward (runtime.lean) gives transformers' forward's logits and last hidden states bit for bit
+    on `tokens` one-token steps after a random prefix (plain decoding is unchanged) and its own `tokens`-token verify
+    gives its one-token steps' logits (speculation is lossless on it); else what differed."""
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prefix, chain = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen), torch.randint(vocab, (tokens,), generator=gen)
+
+    def run(lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        target.lean_wanted = lean
+        target.prefill(prefix)
+        steps, hidden = [], []
+        for token in chain:
+            out = target.forward(token[None].to(target.device), Tree.chain(0), hidden_state_indices=(-1,))
+            steps.append(out.logits[0])
+            hidden.append(out.hidden[-1][0])
+            target.commit([0])
+        target.prefill(prefix)
+        verified = target.forward(chain.to(target.device), Tree.chain(tokens - 1)).logits
+        target.commit([])
+        return torch.stack(steps), torch.stack(hidden), verified
+
+    wanted = target.lean_wanted
+    try:
+        reference, lean = run(False), run(True)
+    finally:
+        target.lean_wanted = wanted
+    for label, got, want in zip(("step logits", "step hidden states"), lean, reference, strict=False):
+        if not torch.equal(got, want):
+            return f"{label} differ from transformers' forward"
+    if not torch.equal(lean[2], lean[0]):
+        return "verify logits differ from its own one-token steps"
+    return ""
+
+
+def lean_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
+    """Turn the lean forward on when it can serve this target and matches transformers' forward bit for bit (cached
+    with the check); the one line saying so, or why not ('' when the model is not one it serves)."""
+    why_not = lean_unavailable(target.model)
+    if why_not or target.mode != "tree":
+        return ""
+    if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return f"verify check: lean forward off (${LEAN_ENV}); decode steps run transformers' forward"
+    key = check_key(target.model) if use_cache else None
+    if key is not None:
+        key = {**key, "layout": layout, "probe": f"lean{STEPS_PROBE}"}
+        record = cache.cached_json(_cache_file(key), lambda: {"key": key, "difference": lean_matches(target)},
+                                   valid=lambda record: record.get("key") == key and "difference" in record)
+        difference = str(record["difference"])
+    else:
+        difference = lean_matches(target)
+    where = f"({dtype_name(target.dtype)}, {layout})"
+    if difference:
+        return f"verify check: lean forward off {where}: its {difference}; decode steps run transformers' forward"
+    target.lean_wanted = True
+    return (f"verify check: lean forward on {where}: {STEPS_PROBE} one-token steps give transformers' logits bit "
+            f"for bit")
+
+
 def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None,
                    layout: str = "auto") -> TargetModel:
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in
@@ -339,5 +403,9 @@ def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: boo
     chosen = choose_layout(target, layout, use_cache, log)
     if result.mode == "tree" and target.dtype in (torch.bfloat16, torch.float16) and \
             (target.max_positions is None or target.max_positions > PREFIX_LENGTH + STEPS_PROBE):
-        print(steps_line(target, chosen, use_cache), file=log or sys.stderr)
+        line = lean_line(target, chosen, use_cache)
+        if line:
+            print(line, file=log or sys.stderr)
+        print(steps_line(target, chosen if not target.lean_wanted else f"{chosen}, lean", use_cache),
+              file=log or sys.stderr)
     return target

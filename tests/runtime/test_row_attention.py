@@ -91,15 +91,19 @@ def test_bf16_verify_is_bit_equal_to_one_token_steps(arch):
 
 # --------------------------------------------------------------- bf16 speculative == plain bf16, token for token
 
-def _loop(model, proposer, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, GenerationStats]:
+def _loop(model, proposer, prompt: torch.Tensor, new_tokens: int, lean: bool = False) -> tuple[torch.Tensor, GenerationStats]:
     config = DecodeConfig(max_new_tokens=new_tokens, eos_token_ids=(),
                           speculation=SpeculationConfig(num_speculative_tokens=getattr(proposer, "tree_size", 6)))
     stats = GenerationStats()
-    return torch.cat(list(generate(TargetModel(model), proposer, prompt, config, stats))), stats
+    target = TargetModel(model)
+    target.lean_wanted = lean  # runtime.lean's forward for steps and verifies (what the verify check turns on)
+    assert (target.lean_forward() is not None) == lean
+    return torch.cat(list(generate(target, proposer, prompt, config, stats))), stats
 
 
 def _plain_loop(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Our plain bfloat16 decoding (the reference a bf16 user compares with): the loop with no drafter."""
+    """Our plain bfloat16 decoding (the reference a bf16 user compares with): the loop with no drafter, on
+    transformers' forward."""
     return _loop(model, Autoregressive(), prompt, new_tokens)[0]
 
 
@@ -109,20 +113,21 @@ def _bf16(model):
     return model
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["transformers", "lean"])
 @pytest.mark.parametrize("name", PROPOSERS + ["prompt_lookup", "draft_model"])
-def test_bf16_speculative_equals_plain_bf16(name):
+def test_bf16_speculative_equals_plain_bf16(name, lean):
     """Heads that predict the target well (many multi-token verifies), prompt lookup and a draft model: greedy
-    output in bfloat16 is the plain bfloat16 loop's, token for token."""
+    output in bfloat16 is the plain bfloat16 loop's, token for token, on transformers' forward and on the lean one."""
     model, sigma = perm_target("llama")
     model = _bf16(model)
     prompt = torch.cat([torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(2))] * 2)
     if name == "prompt_lookup":
         proposer = PromptLookupProposer()
     elif name == "draft_model":
-        proposer = DraftModelProposer(_bf16(perturbed_copy(model.float())), model.config.vocab_size, branching=(2, 1))
+        proposer = DraftModelProposer(_bf16(perturbed_copy(model).float()), model.config.vocab_size, branching=(2, 1))
     else:
         proposer = make_proposer(name, model, sigma)
-    tokens, stats = _loop(model, proposer, prompt, 60)
+    tokens, stats = _loop(model, proposer, prompt, 60, lean)
     assert torch.equal(tokens, _plain_loop(model, prompt, 60))
     assert stats.tau > 1.3, f"{name}: drafts must be accepted for the check to mean something (tau {stats.tau:.2f})"
 

@@ -1,0 +1,115 @@
+"""The lean bf16 decode/verify forward (runtime.lean): transformers' logits bit for bit on one-token steps, a verify
+equal to its one-token steps, speculative output equal to plain decoding, a cache that survives compaction and
+layout changes, and the load-time verify check's line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.layout import set_layout
+from runtime.lean import LeanForward, lean_unavailable
+from runtime.target import TargetModel
+from runtime.tree import Tree
+from runtime.verify_check import lean_matches, prepare_target
+from tests.runtime.test_row_attention import TREES, _steps_equal_verify
+from tests.tiny_models import stories260k, tiny_model
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler for the kernels")
+
+LEAN_ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def _lean_target(model) -> TargetModel:
+    set_layout(model, "rows+panels")
+    target = TargetModel(model)
+    assert lean_unavailable(model) == ""
+    return target
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHITECTURES + ["stories260K", "llama-odd"])
+def test_lean_steps_are_transformers_bits_and_its_verify_is_its_steps(arch):
+    """On every family it serves (and an MLP width that leaves vector-loop tails: 100): one-token steps give
+    transformers' logits and hidden states bit for bit, and chain / tree verifies give the lean one-token steps."""
+    if arch == "stories260K":
+        model = stories260k(torch.bfloat16)
+    elif arch == "llama-odd":
+        model = tiny_model("llama", dtype=torch.bfloat16, intermediate_size=100)
+    else:
+        model = tiny_model(arch, dtype=torch.bfloat16)
+    target = _lean_target(model)
+    assert lean_matches(target) == ""
+    target.lean_wanted = True
+    assert target.lean_forward() is not None
+    gen = torch.Generator().manual_seed(1)
+    vocab = min(target.vocab_size, 500)
+    prompt = torch.randint(3, vocab, (21,), generator=gen)
+    for name, tree in TREES.items():
+        tokens = torch.randint(3, vocab, (tree.num_nodes,), generator=gen)
+        assert _steps_equal_verify(target, prompt, tokens, tree) == [], f"{arch} {name}"
+
+
+def test_lean_cache_survives_compaction_batches_and_layout_changes():
+    """Keys written in place into the lean buffers: a tree verify, a kept path that is not the first nodes
+    (compaction moves slots inside the buffer), then steps == the same sequence decoded step by step; a batch of rows
+    (holes) == each row alone; a layout change turns the lean forward off and back on with the same bits."""
+    model = stories260k(torch.bfloat16)
+    target = _lean_target(model)
+    target.lean_wanted = True
+    gen = torch.Generator().manual_seed(3)
+    prompt, tokens = torch.randint(3, 500, (13,), generator=gen), torch.randint(3, 500, (8,), generator=gen)
+    tree = Tree.from_parents([-1, 0, 0, 1, 2, 2, 4, 5])
+    keep = [0, 2, 5, 7]
+    target.prefill(prompt)
+    target.forward(tokens, tree)
+    target.commit(keep)
+    after = target.forward(tokens[:3], Tree.chain(2)).logits
+    target.commit([])
+    target.prefill(prompt)  # the same tokens one at a time (a prefill would round its keys differently)
+    stepwise = []
+    for token in tokens[keep]:
+        target.forward(token[None], Tree.chain(0))
+        target.commit([0])
+    for token in tokens[:3]:
+        stepwise.append(target.forward(token[None], Tree.chain(0)).logits[0])
+        target.commit([0])
+    assert torch.equal(after, torch.stack(stepwise))
+
+    rows = [torch.randint(3, 500, (n,), generator=gen) for n in (5, 11)]
+    target.prefill_rows(rows)
+    outs = target.forward_rows([tokens[:4], tokens[:2]], [Tree.chain(3), Tree.chain(1)])
+    for row, out, n in zip(rows, outs, (4, 2), strict=True):
+        target.prefill(row)
+        assert torch.equal(target.forward(tokens[:n], Tree.chain(n - 1)).logits, out.logits)
+        target.commit([])
+
+    target.prefill(prompt)
+    lean = target.forward(tokens[:4], Tree.chain(3)).logits
+    set_layout(model, "rows")
+    assert target.lean_forward() is None  # no panels: the model's own forward
+    set_layout(model, "rows+panels")
+    assert target.lean_forward() is not None
+    target.prefill(prompt)
+    assert torch.equal(target.forward(tokens[:4], Tree.chain(3)).logits, lean)
+
+
+def test_lean_refuses_what_it_does_not_serve():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    assert "panel kernel" in lean_unavailable(model)  # as loaded: no panels
+    assert "bfloat16" in lean_unavailable(tiny_model("llama"))
+    assert "not among" in lean_unavailable(tiny_model("phi3", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lean forward: .*panel kernel"):
+        LeanForward(model)
+
+
+def test_verify_check_turns_the_lean_forward_on_and_says_so(capsys, monkeypatch):
+    target = prepare_target(stories260k(torch.bfloat16), use_cache=False)
+    err = capsys.readouterr().err
+    assert "verify check: lean forward on (bfloat16, rows+panels)" in err and target.lean_forward() is not None
+    assert "bit for bit (bfloat16, rows+panels, lean)" in err
+    monkeypatch.setenv("SPECHEADS_LEAN", "off")
+    target = prepare_target(stories260k(torch.bfloat16), use_cache=False)
+    assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and target.lean_forward() is None
+    prepare_target(stories260k(torch.float32), use_cache=False)  # float32: the model's own forward, no line
+    assert "lean forward" not in capsys.readouterr().err
