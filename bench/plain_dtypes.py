@@ -23,6 +23,7 @@ import torch
 from bench.common import environment, fastest_of, load_target, read_prompts, run_ours, warm_up
 from bench.report import check_writable, ratio, write_json
 from heads.cli import parse_flags, run_cli
+from runtime import kernels
 from runtime.build import encode_prompt
 from runtime.config import DecodeConfig
 from runtime.proposers import Autoregressive
@@ -89,14 +90,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"config": vars(args), "environment": environment(next(iter(targets.values()))[0]),
               "ours_tokens_per_second": ours, "llama_cpp_tokens_per_second": llama,
               "bf16_over_float32": ratio(ours.get("bfloat16", 0.0), ours.get("float32", 0.0)),
-              "ours_over_llama_cpp": {d: ratio(ours[d], llama[d]) for d in llama if d in ours}}
+              "ours_over_llama_cpp": {d: ratio(ours[d], llama[d]) for d in llama if d in ours},
+              "forward": {dtype: "lean" if target.lean_forward() is not None else "transformers"
+                          for dtype, (target, _) in targets.items()},
+              "bf16_kernel": "avx512bf16 dot panels" if kernels.bf16_dot() else "widen + FMA panels"}
     write_json(args.output_json, result)
     for dtype, speed in ours.items():
         line = f"{dtype}: our plain loop {speed:.1f} tok/s"
         if dtype in llama:
             line += f", llama.cpp {llama[dtype]:.1f} tok/s (ours / llama.cpp {result['ours_over_llama_cpp'][dtype]:.2f})"
         print(line)
-    print(f"bf16 / float32 (ours): {result['bf16_over_float32']}; wrote {args.output_json}", file=sys.stderr)
+    print(f"bf16 / float32 (ours): {result['bf16_over_float32']:.2f} (forward per dtype {result['forward']}, bf16 "
+          f"products on {result['bf16_kernel']}); wrote {args.output_json}", file=sys.stderr)
     return result
 
 
