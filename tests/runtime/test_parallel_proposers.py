@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from heads import HeadsConfig, build_heads
-from runtime.loop import generate_batch
 from runtime.proposers import per_row
 from runtime.proposers.factory import HeadsOptions, proposer_from_heads
 from runtime.proposers.parallel import DFlashProposer, PEagleProposer
@@ -242,10 +241,10 @@ def test_one_forward_per_step():
     model = tiny_model("llama")
     for kind in KINDS:
         proposer = make_proposer(kind, model)
-        calls = []
+        calls: list[int] = []
         original = type(proposer.heads).forward
 
-        def counting(self, *args, **kwargs):
+        def counting(self, *args, calls=calls, original=original, **kwargs):
             calls.append(1)
             return original(self, *args, **kwargs)
 
