@@ -4,7 +4,8 @@
 
 Heads are random-initialised with the target's geometry (timing does not depend on the weights). For each kind
 (Medusa with own projections / with the shared target LM head, EAGLE-2 dynamic tree depth 5 top-k 8, EAGLE-1
-chain, EAGLE-3 dynamic tree, MTP chain), each draft size and each draft-vocabulary size, it times
+chain, EAGLE-3 dynamic tree, MTP chain, DFlash and P-EAGLE chains: one drafter forward for the whole block, 2 layers;
+DFlash's block is 8 slots, or size + 1 when larger), each draft size and each draft-vocabulary size, it times
 `proposer.propose` (runtime.cost_model.DraftTimer: median of 3 on a random context of --kv_length
 tokens) and one plain decode step (runtime.cost_model, 1 token at the same context length).
 
@@ -33,13 +34,15 @@ from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.factory import default_table
 from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.mtp import MTPProposer
+from runtime.proposers.parallel import DFlashProposer, PEagleProposer
 from runtime.tree_search import grow_tree, static_tree
 
-KINDS = ("medusa", "medusa_shared", "eagle2", "eagle1_chain", "eagle3", "mtp")
+KINDS = ("medusa", "medusa_shared", "eagle2", "eagle1_chain", "eagle3", "mtp", "dflash", "peagle")
 HEAD_OPTIONS = {"medusa": ("medusa", dict(medusa_num_heads=4)),
                 "medusa_shared": ("medusa", dict(medusa_num_heads=4, medusa_shared_lm_head=True)),
                 "eagle2": ("eagle", {}), "eagle1_chain": ("eagle", {}), "eagle3": ("eagle3", {}),
-                "mtp": ("mtp", dict(mtp_num_depths=4))}
+                "mtp": ("mtp", dict(mtp_num_depths=4)),
+                "dflash": ("dflash", dict(num_draft_layers=2)), "peagle": ("peagle", dict(num_draft_layers=2))}
 
 
 @dataclass
@@ -92,8 +95,10 @@ def greedy_answer_counts(model, tokenizer, path: str, max_prompts: int, new_toke
 def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size: int):
     """A random-weight proposer of `kind` drafting `size` tokens over the `vocab_size` most counted ids (0: full)."""
     head_kind, options = HEAD_OPTIONS[kind]
-    if head_kind == "eagle3":
-        options = dict(draft_vocab_size=vocab_size or counts.numel())
+    if head_kind in ("eagle3", "peagle"):
+        options = dict(options, draft_vocab_size=vocab_size or counts.numel())
+    if head_kind in ("dflash", "peagle"):
+        options = dict(options, block_size=max(size + 1, 8) if head_kind == "dflash" else max(size, 2))
     config = HeadsConfig.for_target(head_kind, model, "draft-cost", **options)
     torch.manual_seed(0)
     heads = build_heads(config).to(model.dtype).eval()
@@ -102,6 +107,9 @@ def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size
             p.normal_(0, 0.02)
     if vocab_size:
         heads.set_vocab_mapping(*build_vocab_mapping(counts, vocab_size))
+    if head_kind in ("dflash", "peagle"):
+        chain = static_tree([[0] * d for d in range(1, size + 1)], num_heads=heads.config.draft_tokens)
+        return (DFlashProposer if head_kind == "dflash" else PEagleProposer)(heads, model, chain)
     if kind.startswith("medusa"):
         tree = static_tree(grow_tree(default_table(heads.num_heads), size), "grown tree", num_heads=heads.num_heads)
         return MedusaProposer(heads, model, tree)

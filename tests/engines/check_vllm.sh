@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Engine check: vLLM's CPU build loads our exported heads (EAGLE-3 in the speculators layout as `vllm serve DIR` reads
-# it, and EAGLE-3, EAGLE-1, Medusa `--to vllm`), gives the same greedy output
+# Engine check: vLLM's CPU build loads our exported heads (EAGLE-3, DFlash and P-EAGLE in the speculators layout as
+# `vllm serve DIR` reads it, and EAGLE-3, EAGLE-1, Medusa `--to vllm`), gives the same greedy output
 # as plain vLLM, and accepts per draft position exactly what our runtime accepts on the same heads and prompts; then
 # `data.distill --engine vllm` self-distils a few conversations through it, compared with `--engine hf`.
 #
@@ -11,7 +11,8 @@
 # CI=true, where a skip is a failure (exit 1): CI can never pass by not running the check.
 # Knobs: ENGINE_CHECK_DIR (work dir), ENGINE_CHECK_STEPS (training steps per EAGLE-1 / Medusa head, 0 = random heads),
 # ENGINE_CHECK_EAGLE3_STEPS (EAGLE-3 heads, default 40: draft positions 1-3 accept something),
-# ENGINE_CHECK_KINDS (default speculators,eagle3,eagle,medusa), ENGINE_CHECK_DISTILL_PROMPTS (default 4).
+# ENGINE_CHECK_KINDS (default speculators,speculators_nbr,eagle3,eagle,medusa,dflash,peagle),
+# ENGINE_CHECK_DISTILL_PROMPTS (default 4).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VLLM_VERSION="${SPECHEADS_VLLM_VERSION:-0.32.0}"  # pinned; the override exists to exercise the skip path
@@ -54,7 +55,7 @@ fi
 
 # Our side: plain HF target, small heads, --to vllm exports, our runtime's output and acceptance -> plan.json.
 "$PYTHON" tests/engines/prepare_heads.py --work_dir "$WORK" --train_steps "${ENGINE_CHECK_STEPS:-40}" \
-    --eagle3_train_steps "${ENGINE_CHECK_EAGLE3_STEPS:-40}" --kinds "${ENGINE_CHECK_KINDS:-speculators,speculators_nbr,eagle3,eagle,medusa}"
+    --eagle3_train_steps "${ENGINE_CHECK_EAGLE3_STEPS:-40}" --kinds "${ENGINE_CHECK_KINDS:-speculators,speculators_nbr,eagle3,eagle,medusa,dflash,peagle}"
 
 # vLLM's side, in its own venv and one process; its log is kept, the verdict lines are printed.
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0

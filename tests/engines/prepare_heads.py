@@ -10,6 +10,9 @@ speculative method and our runtime's greedy output and accepted-token counts per
 (EAGLE-3: `--eagle3_train_steps`) on the target's own answers to the check's prompts, so that every draft position
 accepts something and the comparison covers each (0 = random heads, which accept nearly nothing: a weak comparison).
 
+Kinds `dflash` and `peagle` are the parallel drafters (2 layers, the default target layers) exported `--to speculators`
+and loaded the same way; vLLM must resolve method dflash / eagle3 with parallel drafting from config.json.
+
 Kind `speculators` is the EAGLE-3 heads exported `--to speculators` (config.json names the verifier and the drafts
 per step): vLLM loads it the way `vllm serve DIR` does, `LLM(model=DIR)`, with no speculative config of ours.
 """
@@ -36,7 +39,11 @@ from heads.cli import parse_flags  # noqa: E402
 # `speculators_nbr`: the same heads set to compute norm_before_residual (the residual after hidden_norm, as many
 # published speculators checkpoints do): vLLM reads the key as written and must accept what our runtime accepts.
 KINDS = {"speculators": ("eagle3", None), "speculators_nbr": ("eagle3", None), "eagle3": ("eagle3", "eagle3"),
-         "eagle": ("eagle", "eagle"), "medusa": ("medusa", "medusa")}
+         "eagle": ("eagle", "eagle"), "medusa": ("medusa", "medusa"), "dflash": ("dflash", None),
+         "peagle": ("peagle", None)}
+# Parallel drafters, exported --to speculators (zero config): the method vLLM must resolve from config.json
+# (speculators_model_type peagle is vLLM's eagle3 with parallel drafting).
+PARALLEL = {"dflash": "dflash", "peagle": "eagle3"}
 
 
 @dataclass
@@ -96,6 +103,9 @@ def train_heads(flags: PrepareFlags, kind: str, data: Path, out: Path) -> Path:
         command += ["--num_heads", str(flags.chain)]  # vLLM drafts one token per Medusa head
     if kind == "eagle3":
         command += ["--draft_vocab_size", "4096", "--ttt_steps", "3"]
+    elif kind in PARALLEL:  # DFlash: a block of chain + 1 slots; P-EAGLE: chain depths; 2 layers, default target layers
+        command += ["--block_size", str(flags.chain + 1 if kind == "dflash" else flags.chain), "--num_layers", "2",
+                    "--draft_vocab_size", "4096" if kind == "peagle" else str(10**9)]
     else:  # vLLM drafts EAGLE-1 / Medusa over the full vocabulary: no reduced draft vocabulary on our side either
         command += ["--draft_vocab_size", str(10**9)]
     run(command, out / "train.log")
@@ -172,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         heads_dir = train_heads(flags, method, data, out)
         if kind == "speculators_nbr":
             heads_dir = with_norm_before_residual(heads_dir, out / "heads_norm_before_residual")
-        if kind.startswith("speculators"):  # the verifier as vLLM loads it (a GGUF target's plain HF copy), our chain
-            exported = out / kind           # length
+        if kind.startswith("speculators") or kind in PARALLEL:  # the verifier as vLLM loads it (a GGUF target's
+            exported = out / kind                               # plain HF copy), our chain length
             export_main(["--heads", str(heads_dir), "--to", "speculators", "--output_dir", str(exported),
                          "--verifier", str(base), "--speculative_tokens", str(flags.chain)])
             traps = write_traps(exported, out) if kind == "speculators" else {}
@@ -183,13 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         if str(heads_dir) in ours:
             outputs, accepted = ours[str(heads_dir)]
             plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
-                                   "ours_accepted_per_pos": accepted}
+                                   "ours_accepted_per_pos": accepted, "expected_method": PARALLEL.get(kind, "eagle3")}
             if kind == "speculators":
                 plan["kinds"][kind]["traps"] = traps
             print(f"[ours] {kind}: exported {exported}; accepted per position {accepted}", flush=True)
             continue
         options = HeadsOptions(tree_size=str(flags.chain), eagle_tree="static", allow_off=False)
-        if kind == "medusa":  # a chain: the top-1 token of each head (what vLLM's Medusa drafts)
+        if kind in ("medusa", *PARALLEL):  # a chain: the top-1 token of each head / drafted position (what vLLM drafts)
             options = HeadsOptions(tree=str(write_chain_tree(out, flags.chain)), allow_off=False)
         proposer = proposer_from_heads(heads_dir, target, options, seed=0, target_name=flags.model).proposer
         outputs, accepted = [], [0] * flags.chain
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                                               strict=True)]
         ours[str(heads_dir)] = outputs, accepted
         plan["kinds"][kind] = {"export": str(exported), "method": KINDS[kind][1], "ours_outputs": outputs,
-                               "ours_accepted_per_pos": accepted}
+                               "ours_accepted_per_pos": accepted, "expected_method": PARALLEL.get(kind, "eagle3")}
         if kind == "speculators":
             plan["kinds"][kind]["traps"] = traps
         if kind == "eagle":  # the SGLang export (fc.bias shipped) must be refused by vLLM, not silently misloaded

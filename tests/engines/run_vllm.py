@@ -76,8 +76,8 @@ def main(plan_path: str) -> int:
             lines.append(f"{kind}: load FAILED ({type(err).__name__}: {str(err).splitlines()[0][:300]})")
             continue
         if zero_config:
-            expected = {"target": plan["base"], "method": "eagle3", "num_speculative_tokens": chain,
-                        "draft": entry["export"]}
+            expected = {"target": plan["base"], "method": entry.get("expected_method", "eagle3"),
+                        "num_speculative_tokens": chain, "draft": entry["export"]}
             same = resolved == expected
             failed |= not same
             lines.append(f"{kind}: LLM(model={entry['export']}) resolved target, method, drafts per step, draft = "
