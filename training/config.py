@@ -29,7 +29,7 @@ CONFIG_FILE = "train_config.yaml"
 RESUMABLE_FIELDS = frozenset({
     "max_steps", "num_epochs", "save_steps", "save_total_limit", "eval_steps", "logging_steps", "report_to",
     "project_name", "run_name", "resume_from", "push_to_hub", "hub_private", "num_threads", "progress_bar",
-    "save_merged", "dataloader_num_workers", "heads_dir",
+    "save_merged", "dataloader_num_workers", "heads_dir", "max_train_minutes",
 })
 
 
@@ -127,6 +127,9 @@ class TrainConfig:
     min_lr_ratio: float = _help("Cosine decays to learning_rate * min_lr_ratio.", default=0.0)
     max_steps: int = _help("Optimizer steps; -1 = num_epochs over the training split.", default=-1)
     num_epochs: float = _help("Epochs when max_steps is -1.", default=1.0)
+    max_train_minutes: float = _help("Stop training after this many wall-clock minutes of the loop (the learning-rate "
+                                     "schedule still spans max_steps / num_epochs); 0 = no limit. For comparisons "
+                                     "at equal training time.", default=0.0)
     mixed_precision: str | None = _help("no, fp16 or bf16; unset = whatever `accelerate launch` says.",
                                         default=None)
     seed: int = _help("Seed for head initialisation, data order and noise.", default=0)
@@ -193,6 +196,7 @@ class TrainConfig:
         _check(self.max_train_tokens >= 0, "--max_train_tokens", "an integer >= 0", self.max_train_tokens)
         _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)
+        _check(self.max_train_minutes >= 0, "--max_train_minutes", ">= 0", self.max_train_minutes)
         if self.method == "medusa2" and self.features:
             raise ValueError("--features: medusa2 trains LoRA on the target, so it needs the online target "
                              "forward; drop --features")

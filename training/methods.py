@@ -557,18 +557,26 @@ class PEagleTraining(nn.Module):
         draft_ids = torch.arange(draft.config.draft_vocab_size, device=device)
         draft_to_target = draft_to_target_ids(draft_ids, draft.d2t)
         rows = torch.arange(batch_size, device=device)[:, None]
+        counted_at = []  # per depth: (positions of the labels [B, M], which count [B, M])
+        needed = torch.zeros(batch_size, length, dtype=torch.bool, device=device)
+        for depth, (where, ok) in enumerate(groups):
+            label_at = where + 2 + depth
+            at = label_at.clamp(max=length - 1)
+            counted = ok & (label_at < length) & torch.gather(loss_mask, 1, at).bool()
+            counted_at.append((at, counted))
+            needed[rows.expand_as(at)[counted], at[counted] - 1] = True
+        # the target's LM head once per needed position (depths share them), not once per depth
+        index = torch.full((batch_size, length), -1, dtype=torch.long, device=device)
+        index[needed] = torch.arange(int(needed.sum()), device=device)
+        with torch.no_grad():
+            all_target_logits = apply_head(frozen.lm_head, last[needed])
         total = first.new_zeros((), dtype=torch.float32)
         stats, offset = [], 0
-        for depth, ((where, ok), weight) in enumerate(zip(groups, depth_weights(depths, config.head_decay),
-                                                          strict=True)):
+        for (where, _), (at, counted), weight in zip(groups, counted_at, depth_weights(depths, config.head_decay),
+                                                     strict=True):
             width = where.shape[1]
-            label_at = where + 2 + depth
-            inside = label_at < length
-            at = label_at.clamp(max=length - 1)
-            counted = ok & inside & torch.gather(loss_mask, 1, at).bool()
             labels = torch.gather(input_ids, 1, at)[counted]
-            with torch.no_grad():
-                target_logits = apply_head(frozen.lm_head, last[rows.expand_as(at)[counted], at[counted] - 1])
+            target_logits = all_target_logits[index[rows.expand_as(at)[counted], at[counted] - 1]]
             if config.label_source == "target":
                 labels = target_logits.argmax(-1)
             predicted = out[:, offset: offset + width][counted]

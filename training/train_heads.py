@@ -236,7 +236,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eval_metrics: dict[str, float] = {}
     started, started_step = time.perf_counter(), state.step
     module.train()
-    while state.step < steps:
+    budget = config.max_train_minutes * 60
+
+    def over_budget() -> bool:  # every process stops at the same step: the main process's clock decides
+        if not budget:
+            return False
+        flag = torch.tensor([float(time.perf_counter() - started >= budget)], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag * float(accelerator.is_main_process), reduction="sum")
+        return bool(flag.item())
+
+    while state.step < steps and not over_budget():
         micro = [next(batches) for _ in range(config.gradient_accumulation_steps)]
         result = train_step(accelerator, module, optimizer, micro, state.step, config.max_grad_norm, config.seed)
         scheduler.step()
@@ -264,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if config.save_steps and (state.step % config.save_steps == 0 or state.step == steps):
             save_checkpoint(accelerator, config, state)
     progress.close()
+    if state.step < steps:
+        accelerator.print(f"--max_train_minutes {config.max_train_minutes:g}: stopped at step {state.step} of {steps}")
 
     train_seconds = time.perf_counter() - started
 

@@ -67,3 +67,10 @@ def test_bad_flags_refused_against_the_target(main, train_args, tmp_path, method
     with pytest.raises(ValueError, match=message) as err:
         main(train_args(method, out, **flags))
     assert "\n" not in str(err.value)
+
+
+def test_max_train_minutes_stops_the_loop_and_still_saves(main, train_args, tmp_path):
+    """Equal-time comparisons: the loop stops at the wall-clock budget (the schedule keeps max_steps as horizon)."""
+    final = main(train_args("dflash", tmp_path / "run", block_size=4, max_steps=100000, max_train_minutes=0.02))
+    assert 1 <= final["step"] < 100000 and final["train/seconds"] < 60
+    assert load_heads(tmp_path / "run" / "heads").config.metrics["training_steps"] == final["step"]
