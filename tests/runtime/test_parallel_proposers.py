@@ -263,3 +263,18 @@ def test_bad_tree_for_the_block():
     heads = make_heads("dflash", model, block_size=3)  # drafts 2 positions
     with pytest.raises(ValueError, match="deeper than the 2 heads"):
         DFlashProposer(heads, model, static_tree([[0], [0, 0], [0, 0, 0]]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_with_a_parallel_drafter(kind):
+    """Prompt lookup and a parallel drafter in one tree per step: still plain greedy decoding's output."""
+    from runtime.proposers.hybrid import HybridProposer
+    from tests.runtime.test_head_proposers import CHEAP_STEPS
+
+    model = tiny_model("llama")
+    part = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.cat([part, part])
+    expected = reference(model, prompt, 30)
+    head = with_oracle(make_proposer(kind, model), prompt, expected)
+    tokens, stats = run_loop(model, HybridProposer(head, head.tree_size, 2.5, CHEAP_STEPS, max_lookup=6), prompt, 30)
+    assert torch.equal(tokens, expected) and stats.tau > 2.0
