@@ -14,6 +14,7 @@ from torch import Tensor
 
 from heads.checkpoint import load_heads, save_heads
 from heads.cli import parse_flags, run_cli
+from heads.config import OWN_LM_HEAD_KINDS
 from heads.draft_vocab import build_vocab_mapping, count_tokens, coverage
 
 
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError("--heads and --dataset are required")
     heads = load_heads(flags.heads)
     config = heads.config
-    if config.kind == "eagle3":
-        raise ValueError(f"--heads {flags.heads}: EAGLE-3 heads have their draft vocabulary built into lm_head "
+    if config.kind in OWN_LM_HEAD_KINDS:
+        raise ValueError(f"--heads {flags.heads}: {config.kind} heads have their draft vocabulary built into lm_head "
                          f"({config.draft_vocab_size} rows, set at training by --draft_vocab_size)")
     if not 0 <= flags.size <= config.vocab_size:
         raise ValueError(f"--size {flags.size}: expected 0 (full vocabulary) .. {config.vocab_size}")
