@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     heads = load_heads(flags.heads)
     config = heads.config
     if config.kind in OWN_LM_HEAD_KINDS:
-        raise ValueError(f"--heads {flags.heads}: {config.kind} heads have their draft vocabulary built into lm_head "
+        name = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}[config.kind]
+        raise ValueError(f"--heads {flags.heads}: {name} heads have their draft vocabulary built into lm_head "
                          f"({config.draft_vocab_size} rows, set at training by --draft_vocab_size)")
     if not 0 <= flags.size <= config.vocab_size:
         raise ValueError(f"--size {flags.size}: expected 0 (full vocabulary) .. {config.vocab_size}")
