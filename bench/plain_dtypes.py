@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if dtype in llama:
             line += f", llama.cpp {llama[dtype]:.1f} tok/s (ours / llama.cpp {result['ours_over_llama_cpp'][dtype]:.2f})"
         print(line)
-    print(f"bf16 / float32 (ours): {result['bf16_over_float32']:.2f} (forward per dtype {result['forward']}, bf16 "
+    print(f"bf16 / float32 (ours): {result['bf16_over_float32'] or 0:.2f} (forward per dtype {result['forward']}, bf16 "
           f"products on {result['bf16_kernel']}); wrote {args.output_json}", file=sys.stderr)
     return result
 

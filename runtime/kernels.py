@@ -486,19 +486,27 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                          f"{tuple(panels.shape)} {panels.dtype} (float32 or bfloat16 on a CPU, same in_features; "
                          "bfloat16 rows for dot panels)")
     flat = x.reshape(-1, in_features).contiguous()
-    out = torch.empty(flat.shape[0], out_features, dtype=x.dtype)
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
-    failed = lib.panel_linear(flat.data_ptr(), flat.shape[0], in_features, panels.data_ptr(),
-                              2 if dot else int(panels.dtype == torch.bfloat16), out_features,
-                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return panel_product(flat, panels, out_features, bias).reshape(*x.shape[:-1], out_features)
+
+
+def panel_product(flat: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The C call behind `panel_linear`, without its checks (for callers that made them once: runtime.lean): flat
+    [M, K] contiguous on a CPU in a dtype the panels take, bias contiguous float32 or None; returns [M, N]."""
+    out = torch.empty(flat.shape[0], out_features, dtype=flat.dtype)
+    dot = panels.ndim == 4
+    failed = _load()[0].panel_linear(flat.data_ptr(), flat.shape[0], flat.shape[1], panels.data_ptr(),
+                                     2 if dot else int(panels.dtype == torch.bfloat16), out_features,
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                     int(flat.dtype == torch.bfloat16), torch.get_num_threads())
     if failed == -2:
         raise ValueError("panel_linear: dot panels need bfloat16 rows, an even in_features and a kernel built with "
                          "AVX512-BF16")
     if failed:
-        raise MemoryError(f"panel_linear: no memory for a pass buffer of 12 x {max(in_features, out_features)}")
-    return out.reshape(*x.shape[:-1], out_features)
+        raise MemoryError(f"panel_linear: no memory for a pass buffer of 12 x {max(flat.shape[1], out_features)}")
+    return out
 
 
 ROW_ATTENTION_MAX_QUERIES = 64  # decode and verify; a prefill of more rows goes to the model's own attention

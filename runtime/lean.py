@@ -100,12 +100,18 @@ class _Layer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.rotate_half = sys.modules[type(attention).__module__].rotate_half
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
         self.qkv, self.qkv_bias, self.qkv_spans = _fused([attention.q_proj, attention.k_proj, attention.v_proj])
         self.qkv_width = _padded(self.qkv)
         self.gate_up, self.gate_up_bias, self.gate_up_spans = _fused([mlp.gate_proj, mlp.up_proj])
         self.gate_up_width = _padded(self.gate_up)
         self.o_proj, self.down_proj, self.act = attention.o_proj, mlp.down_proj, mlp.act_fn
+        self.o_panels, self.o_bias = _panels_and_bias(self.o_proj)
+        self.down_panels, self.down_bias = _panels_and_bias(self.down_proj)
+        (_, q_out), (k0, _), _ = self.qkv_spans
+        # q and k rotated by one pair of elementwise ops where k's columns follow q's (no norm between them)
+        self.joint_rotary = self.q_norm is None and k0 == q_out
         self.keys: torch.Tensor | None = None  # cache buffers [B, Hkv, capacity, D]; the cache layer holds views
         self.values: torch.Tensor | None = None
 
@@ -131,26 +137,38 @@ class _Layer:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  allowed: torch.Tensor) -> torch.Tensor:
-        batch, n, _ = x.shape
-        h = self.input_norm(x)
-        qkv = kernels.panel_linear(h, self.qkv, self.qkv_width, self.qkv_bias)
+        batch, n, width = x.shape
+        h = self.input_norm(x).view(batch * n, width)
+        qkv = kernels.panel_product(h, self.qkv, self.qkv_width, self.qkv_bias).view(batch, n, -1)
         (q0, q_out), (k0, k_out), (v0, v_out) = self.qkv_spans
         heads = (batch, n, -1, self.head_dim)
-        query, key, value = (qkv[..., q0:q0 + q_out].view(heads), qkv[..., k0:k0 + k_out].view(heads),
-                             qkv[..., v0:v0 + v_out].view(heads))
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        query, key = self.rotary(query, key, cos, sin)
+        value = qkv[..., v0:v0 + v_out].view(heads).transpose(1, 2)
+        if self.joint_rotary:  # the same elementwise ops on q and k at once: the same bits, half the calls
+            both = qkv[..., q0:k0 + k_out].view(heads).transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            both = (both * cos) + (self.rotate_half(both) * sin)
+            query_heads = q_out // self.head_dim
+            query, key = both[:, :query_heads], both[:, query_heads:]
+        else:
+            query, key = qkv[..., q0:q0 + q_out].view(heads), qkv[..., k0:k0 + k_out].view(heads)
+            if self.q_norm is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = self.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         keys, values = self._append(cache_layer, key, value)
         attended = kernels.row_attention(query, keys, values, allowed, self.scaling)  # [B, n, Hq, D]
-        x = x + self.o_proj(attended.reshape(batch, n, -1))
-        h = self.post_norm(x)
-        gate_up = kernels.panel_linear(h, self.gate_up, self.gate_up_width, self.gate_up_bias)
+        x = x + kernels.panel_product(attended.view(batch * n, -1), self.o_panels, width,
+                                      self.o_bias).view(batch, n, width)
+        h = self.post_norm(x).view(batch * n, width)
+        gate_up = kernels.panel_product(h, self.gate_up, self.gate_up_width, self.gate_up_bias)
         (g0, g_out), (u0, u_out) = self.gate_up_spans
         # each row's own slice: the activation's vector loop and scalar tail fall on the same columns for every row
-        activated = self.act(gate_up[..., g0:g0 + g_out]) * gate_up[..., u0:u0 + u_out]
-        return x + self.down_proj(activated)
+        activated = self.act(gate_up[:, g0:g0 + g_out]) * gate_up[:, u0:u0 + u_out]
+        return x + kernels.panel_product(activated, self.down_panels, width, self.down_bias).view(batch, n, width)
+
+
+def _panels_and_bias(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = None if module.bias is None else module.bias.detach().float().contiguous()
+    return module.__dict__[_PANELS], bias
 
 
 def _columns_per_panel(panels: torch.Tensor) -> int:
