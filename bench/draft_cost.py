@@ -59,6 +59,7 @@ class DraftCostArgs:
         "help": "MT-Bench JSONL: the target's greedy first-turn answers measure coverage ('' to skip)."})
     coverage_max_prompts: int = field(default=16, metadata={"help": "MT-Bench questions answered for coverage (one batch)."})
     coverage_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens per MT-Bench answer."})
+    num_draft_layers: int = field(default=2, metadata={"help": "Decoder layers of the DFlash / P-EAGLE drafters."})
     output_json: str = field(default="", metadata={"help": "Write the results here (JSON)."})
 
 
@@ -92,9 +93,11 @@ def greedy_answer_counts(model, tokenizer, path: str, max_prompts: int, new_toke
     return counts
 
 
-def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size: int):
+def build_proposer(kind: str, model, size: int, counts: torch.Tensor, vocab_size: int, num_draft_layers: int = 2):
     """A random-weight proposer of `kind` drafting `size` tokens over the `vocab_size` most counted ids (0: full)."""
     head_kind, options = HEAD_OPTIONS[kind]
+    if head_kind in ("dflash", "peagle"):
+        options = dict(options, num_draft_layers=num_draft_layers)
     if head_kind in ("eagle3", "peagle"):
         options = dict(options, draft_vocab_size=vocab_size or counts.numel())
     if head_kind in ("dflash", "peagle"):
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = sharegpt_counts(args.counts_prompts, tokenizer, vocab)
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",")]
     result: dict = {"model": args.model, "dtype": str(model.dtype), "kv_length": args.kv_length,
+                    "num_draft_layers": args.num_draft_layers,
                     "counted_tokens": int(counts.sum())}
     if args.coverage_prompts:
         answers = greedy_answer_counts(model, tokenizer, args.coverage_prompts, args.coverage_max_prompts,
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         for size in (int(s) for s in args.sizes.split(",")):
             row = {"kind": kind, "size": size}
             for vocab_size in vocab_sizes:
-                proposer = build_proposer(kind, model, size, counts, vocab_size)
+                proposer = build_proposer(kind, model, size, counts, vocab_size, args.num_draft_layers)
                 indices = tuple(proposer.hidden_state_indices)
                 if indices not in timers:
                     timers[indices] = DraftTimer(target, args.kv_length, indices)
