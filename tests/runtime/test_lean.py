@@ -113,3 +113,21 @@ def test_verify_check_turns_the_lean_forward_on_and_says_so(capsys, monkeypatch)
     assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and target.lean_forward() is None
     prepare_target(stories260k(torch.float32), use_cache=False)  # float32: the model's own forward, no line
     assert "lean forward" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lean_hidden_states_are_transformers_at_every_index(arch):
+    """EAGLE-3 and MTP read hidden states of chosen layers: every HF index (embeddings, each layer's output, the final
+    norm; negative ones too) equals transformers' forward bit for bit on a one-token step."""
+    model = tiny_model(arch, dtype=torch.bfloat16, num_hidden_layers=3)
+    target = _lean_target(model)
+    indices = (0, 1, 2, 3, -1, -2, -4)
+    prompt, token = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(5)), torch.tensor([17])
+    outputs = []
+    for lean in (False, True):
+        target.lean_wanted = lean
+        target.prefill(prompt)
+        outputs.append(target.forward(token, Tree.chain(0), hidden_state_indices=indices))
+    for index in indices:
+        assert torch.equal(outputs[0].hidden[index], outputs[1].hidden[index]), index
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
