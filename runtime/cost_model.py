@@ -116,8 +116,11 @@ def save_curve(curve: CostCurve, path: str | Path) -> None:
 
 
 def load_curve(path: str | Path) -> CostCurve:
+    """A curve written by `save_curve` / the runtime's cache, or the `curve` entry of `bench.cost_curve --output`."""
     with open(path) as f:
         data = json.load(f)
+    if isinstance(data, dict) and isinstance(data.get("curve"), dict):
+        data = data["curve"]
     try:
         return CostCurve(**data)
     except TypeError as err:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from runtime.cost_model import (
@@ -9,6 +12,7 @@ from runtime.cost_model import (
     chain_expected_tau,
     load_curve,
     measure_curve,
+    save_curve,
     target_verify_forward,
     verify_cost_curve,
 )
@@ -75,3 +79,12 @@ def test_verify_forward_restores_cache_length():
     timings = measure_curve(lambda q: (calls.append(q), run(q)), [1, 5], repeats=2, warmup=1)
     assert len(timings) == 2 and calls == [1, 5, 1, 5, 1, 5]
     assert target.cache.get_seq_length() == 8 and target.prefix_len == 8
+
+
+def test_load_curve_reads_the_runtime_cache_and_bench_cost_curve_output(tmp_path):
+    """`bench.lookup_replay --curve` takes either file: a bare curve, or `bench.cost_curve --output`'s record that
+    wraps it under "curve"."""
+    curve = CostCurve(tokens=[1, 2, 4], seconds=[1.0, 1.2, 1.5])
+    save_curve(curve, tmp_path / "bare.json")
+    (tmp_path / "record.json").write_text(json.dumps({"curve": dataclasses.asdict(curve), "relative": [1.0]}))
+    assert load_curve(tmp_path / "bare.json") == curve == load_curve(tmp_path / "record.json")
