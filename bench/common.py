@@ -90,7 +90,8 @@ def read_prompts(source: str, max_prompts: int) -> list[str]:
 # ---------------------------------------------------------------- targets
 
 
-def load_target(args: GenerateArguments | None = None, log=None, **flags: Any) -> tuple[TargetModel, Any]:
+def load_target(args: GenerateArguments | None = None, log=None, use_cache: bool = True,
+                **flags: Any) -> tuple[TargetModel, Any]:
     """(TargetModel, tokenizer) of `args` (or of GenerateArguments(**flags): model=, dtype=, exact=, weight_layout=,
     device=, ...), always through runtime.build.load_target: flags checked before anything loads, the load-time
     verify check, the weight layout, the dtype line on `log` (stderr)."""
@@ -98,7 +99,7 @@ def load_target(args: GenerateArguments | None = None, log=None, **flags: Any) -
         args = GenerateArguments(**flags)
     elif flags:
         args = dataclasses.replace(args, **flags)
-    return build_target(args, log=log)
+    return build_target(args, log=log, use_cache=use_cache)
 
 
 # ---------------------------------------------------------------- timed runs

@@ -50,7 +50,7 @@ class CostCurveArgs:
         "help": "tree file whose 'accuracy' table gives E[tau(n)] for the auto choice printed at the end"})
     output: str = field(default="", metadata={"help": "JSON file for the curve and the auto choice"})
     plot: str = field(default="", metadata={"help": "PNG of time and relative cost vs tree tokens"})
-    no_cache: bool = field(default=False, metadata={"help": "measure even if a cached curve exists"})
+    no_cache: bool = field(default=False, metadata={"help": "measure afresh: the curve, the verify check and the layout"})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
 
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         target = prepare_target(model, use_cache=not args.no_cache, layout=args.weight_layout)
     else:
         target, _ = load_target(model=args.model, dtype=args.dtype, device=args.device,
-                                weight_layout=args.weight_layout)
+                                weight_layout=args.weight_layout, use_cache=not args.no_cache)
     curve = verify_cost_curve(target, args.kv_length, args.max_tokens, args.repeats, use_cache=not args.no_cache)
     result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")

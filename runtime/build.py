@@ -22,11 +22,11 @@ from runtime.target import SUPPORTED_ATTENTION, TargetModel
 from runtime.verify_check import prepare_target
 
 
-def load_target(args: GenerateArguments, log=None):
+def load_target(args: GenerateArguments, log=None, use_cache: bool = True):
     """The target named by --model (and its tokenizer), loaded in `args.model_dtype()`, self-checked by the
     load-time verify check (cached; a refused model raises TargetError) and laid out by --weight_layout.
-    Flags are checked before anything loads. Prints the dtype line to `log` (stderr). Returns (TargetModel,
-    tokenizer)."""
+    Flags are checked before anything loads. Prints the dtype line to `log` (stderr). `use_cache=False` runs the
+    check and the layout measurement afresh. Returns (TargetModel, tokenizer)."""
     log = log or sys.stderr
     if args.attn_implementation not in SUPPORTED_ATTENTION:
         raise ValueError(f"--attn_implementation {args.attn_implementation}: an attention backend that ignores "
@@ -37,7 +37,7 @@ def load_target(args: GenerateArguments, log=None):
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.model_dtype(), attn_implementation=args.attn_implementation,
                        device=args.device)
-    target = prepare_target(model, layout=args.weight_layout, log=log)
+    target = prepare_target(model, layout=args.weight_layout, log=log, use_cache=use_cache)
     print(args.dtype_line(target.dtype), file=log)
     return target, tokenizer
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench.calibration import confidence_bins, gated_speedup, main
+from bench.common import load_target
 from heads import HeadsConfig, build_heads
 from tests.tiny_models import DATA, STORIES260K, stories260k
 
@@ -45,3 +46,13 @@ def test_cli_records_every_step_of_an_eagle_head(tmp_path, monkeypatch):
     build_heads(HeadsConfig.for_target("medusa", model, str(STORIES260K))).save_pretrained(tmp_path / "medusa")
     with pytest.raises(ValueError, match="--heads: confidence calibration needs EAGLE"):
         main(["--model", str(STORIES260K), "--heads", str(tmp_path / "medusa"), "--max_prompts", "1"])
+
+
+def test_load_target_without_the_cache_writes_nothing_there(tmp_path, monkeypatch):
+    """`bench.cost_curve --no_cache` measures afresh: its target loader runs the verify check and the layout choice
+    without reading or writing $SPECHEADS_CACHE (with the cache, the check's record is written)."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    load_target(model=str(STORIES260K), dtype="float32", weight_layout="rows", use_cache=False)
+    assert not (tmp_path / "cache" / "verify_check").exists()
+    load_target(model=str(STORIES260K), dtype="float32", weight_layout="rows")
+    assert list((tmp_path / "cache" / "verify_check").glob("*.json"))
