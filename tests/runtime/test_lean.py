@@ -28,14 +28,20 @@ def _lean_target(model) -> TargetModel:
     return target
 
 
-@pytest.mark.parametrize("arch", LEAN_ARCHITECTURES + ["stories260K", "llama-odd"])
+@pytest.mark.parametrize("arch", LEAN_ARCHITECTURES + ["stories260K", "llama-odd", "llama-biases"])
 def test_lean_steps_are_transformers_bits_and_its_verify_is_its_steps(arch):
-    """On every family it serves (and an MLP width that leaves vector-loop tails: 100): one-token steps give
+    """On every family it serves (an MLP width that leaves vector-loop tails: 100; biases everywhere): one-token steps give
     transformers' logits and hidden states bit for bit, and chain / tree verifies give the lean one-token steps."""
     if arch == "stories260K":
         model = stories260k(torch.bfloat16)
     elif arch == "llama-odd":
         model = tiny_model("llama", dtype=torch.bfloat16, intermediate_size=100)
+    elif arch == "llama-biases":  # biases on q/k/v/o and on gate/up/down: fused and widened once
+        model = tiny_model("llama", dtype=torch.bfloat16, attention_bias=True, mlp_bias=True)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.5)
     else:
         model = tiny_model(arch, dtype=torch.bfloat16)
     target = _lean_target(model)
