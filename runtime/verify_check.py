@@ -401,7 +401,7 @@ def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: boo
     print(result.line(), file=log or sys.stderr)
     target = TargetModel(model, flag=flag, mode=result.mode)
     chosen = choose_layout(target, layout, use_cache, log)
-    if result.mode == "tree" and target.dtype in (torch.bfloat16, torch.float16) and \
+    if result.mode in ("tree", "chain") and target.dtype in (torch.bfloat16, torch.float16) and \
             (target.max_positions is None or target.max_positions > PREFIX_LENGTH + STEPS_PROBE):
         line = lean_line(target, chosen, use_cache)
         if line:

@@ -19,7 +19,7 @@ from runtime.verify_check import prepare_target
 from tests.runtime.test_batch import prompts, run_batch
 from tests.runtime.test_generate import perturbed_copy
 from tests.runtime.test_head_proposers import PROPOSERS, make_proposer, perm_target
-from tests.tiny_models import ARCHITECTURES, ATTENTION, stories260k, tiny_model
+from tests.tiny_models import ARCHITECTURES, ATTENTION, DEGRADED, stories260k, tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler for the kernels")
 
@@ -155,3 +155,12 @@ def test_verify_check_says_whether_verify_equals_steps(capsys):
         assert len(lines) == 1 and verdict in lines[0], lines
     prepare_target(stories260k(torch.float32), use_cache=False)  # float32: no such line (exact up to near-ties)
     assert "verify check: a 16-token" not in capsys.readouterr().err
+
+
+def test_verify_check_says_it_for_chain_mode_models_too(capsys):
+    """A bfloat16 model the check degrades to chains (ALiBi Falcon) still gets the verify == steps line: speculation
+    verifies chains on it, so whether they round like steps is the user's question there too."""
+    assert DEGRADED["falcon"] == "chain"
+    target = prepare_target(tiny_model("falcon", dtype=torch.bfloat16), use_cache=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verify check: a 16-token")]
+    assert target.mode == "chain" and len(lines) == 1, lines
