@@ -250,14 +250,26 @@ int panel_linear(const void *x, long M, long K, const void *panels, int weight_f
 }
 
 /* Attention of a few query rows, each row on its own: for every (batch, query row, head) the allowed keys are visited
-   in increasing slot order; score = (q . k) * scale with q . k summed in float32 sequentially over the head dimension
-   (8 keys at a time, one per vector lane); softmax in float32 (max; exp by one fixed polynomial; the sum in slot
-   order); out = sum of p * v in slot order (8 lanes of the head dimension at a time), divided by the sum. A row's
-   result depends only on its query and the ordered list of keys/values it attends to: not on the other rows, their
-   masks or where masked slots sit. The query heads of one KV head share its keys and values, widened to float32
-   (keys transposed) once per call. q [B, Hq, Q, D], k [B, Hkv, L, D], v [B, Hkv, L, DV] (strides in elements, the
-   last dimension contiguous), allowed [B, Q, L] bytes, out float32 [B, Q, Hq, DV]. Returns -1 when out of memory. */
+   in increasing slot order; score = (q . k) * scale with q . k summed in float32 over the head dimension in a fixed
+   order (8-lane chunks of d accumulated in order by multiply-adds, then the 8 lanes added in a fixed tree); softmax in float32 (max;
+   exp by one fixed polynomial; the sum in slot order); out = sum of p * v in slot order (8 lanes of the head
+   dimension at a time), divided by the sum. A row's result depends only on its query and the ordered list of
+   keys/values it attends to: not on the other rows, their masks or where masked slots sit. Keys and values are read
+   in their cache layout, each widened once per call and shared by the query heads of its KV head, so a step costs
+   one pass over the cache. q [B, Hq, Q, D], k [B, Hkv, L, D], v [B, Hkv, L, DV] (strides in elements, the last
+   dimension contiguous), allowed [B, Q, L] bytes, out float32 [B, Q, Hq, DV]. Returns -1 when out of memory. */
 typedef int i8 __attribute__((vector_size(32)));
+#if defined(__FMA__) && defined(__AVX2__)
+#define VMADD(acc, a, b) ((acc) = (v8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
+#else
+#define VMADD(acc, a, b) ((acc) = (acc) + (a) * (b))
+#endif
+static inline float hsum8(v8 s) {  /* lanes added pairwise in a fixed tree: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), 0+1 */
+  float l[8]; memcpy(l, &s, 32);
+  float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
+  float b0 = a0 + a2, b1 = a1 + a3;
+  return b0 + b1;
+}
 static inline v8 select8(i8 m, v8 a, v8 b) {  /* a where m, else b */
   i8 ai, bi; memcpy(&ai, &a, 32); memcpy(&bi, &b, 32);
   i8 r = (m & ai) | (~m & bi); v8 o; memcpy(&o, &r, 32); return o;
@@ -276,65 +288,81 @@ static inline v8 exp8(v8 x) {  /* e^x for x <= 0 (0 below -87.3): 2^n * P(r), n 
   v8 pow2; memcpy(&pow2, &bits, 32);
   return select8(under, zero, y * pow2);
 }
-static void widen_row(const void *src, long offset, long D, int is_bf16, float *dst) {
-  if (!is_bf16) { memcpy(dst, (const float *)src + offset, sizeof(float) * D); return; }
-  const bf16 *h = (const bf16 *)src + offset;
+/* src row (float32 or bfloat16) -> float32 dst[DP], zero past D */
+static void widen_row(const void *src, long offset, long D, long DP, int is_bf16, float *dst) {
   long d = 0;
-  for (; d + 8 <= D; d += 8) { v8 w = load_bf16(h + d); memcpy(dst + d, &w, 32); }
-  for (; d < D; d++) dst[d] = widen(h[d]);
+  if (!is_bf16) {
+    memcpy(dst, (const float *)src + offset, sizeof(float) * D);
+    d = D;
+  } else {
+    const bf16 *h = (const bf16 *)src + offset;
+    for (; d + 8 <= D; d += 8) { v8 w = load_bf16(h + d); memcpy(dst + d, &w, 32); }
+    for (; d < D; d++) dst[d] = widen(h[d]);
+  }
+  for (; d < DP; d++) dst[d] = 0.0f;
 }
 int row_attention(const void *q, long qsb, long qsh, long qst, const void *k, const void *v, long ksb, long ksh,
                   long kst, long vsb, long vsh, long vst, int is_bf16, const unsigned char *allowed, long B, long Hq,
                   long Hkv, long Q, long L, long D, long DV, float scale, float *out, int threads) {
-  long group = Hq / Hkv, tasks = B * Hkv, LP = (L + 7) / 8 * 8, DP = (DV + 7) / 8 * 8;
+  long group = Hq / Hkv, tasks = B * Hkv, LP = (L + 7) / 8 * 8, DP = (D + 7) / 8 * 8, VP = (DV + 7) / 8 * 8;
+  long rows = group * Q;  /* the (query head, query row) pairs that share one KV head */
   int failed = 0;
   #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (long task = 0; task < tasks; task++) {
     long b = task / Hkv, g = task % Hkv;
-    float *kt = calloc(D * LP, sizeof(float)), *vf = calloc(L * DP, sizeof(float));
-    float *row = calloc(D > DP ? D : DP, sizeof(float));
-    float *qf = malloc(sizeof(float) * D), *p = malloc(sizeof(float) * LP);
-    v8 *acc = aligned_alloc(32, sizeof(v8) * (DP / 8));
-    if (!kt || !vf || !row || !qf || !p || !acc) {
-      failed = 1; free(kt); free(vf); free(row); free(qf); free(p); free(acc); continue;
-    }
-    for (long j = 0; j < L; j++) {  /* keys transposed [D][LP], values [L][DP], both widened to float32 */
-      widen_row(k, b * ksb + g * ksh + j * kst, D, is_bf16, row);
-      for (long d = 0; d < D; d++) kt[d * LP + j] = row[d];
-      widen_row(v, b * vsb + g * vsh + j * vst, DV, is_bf16, vf + j * DP);
+    float *qf = malloc(sizeof(float) * rows * DP), *p = malloc(sizeof(float) * rows * LP);
+    float *kf = aligned_alloc(32, sizeof(float) * (DP > VP ? DP : VP));
+    v8 *acc = aligned_alloc(32, sizeof(v8) * rows * (VP / 8));
+    float *total = calloc(rows, sizeof(float));
+    if (!qf || !p || !kf || !acc || !total) {
+      failed = 1; free(qf); free(p); free(kf); free(acc); free(total); continue;
     }
     const unsigned char *mask = allowed + b * Q * L;
-    for (long h = g * group; h < (g + 1) * group; h++) {
-      for (long i = 0; i < Q; i++) {
-        const unsigned char *m = mask + i * L;
-        widen_row(q, b * qsb + h * qsh + i * qst, D, is_bf16, qf);
-        for (long j = 0; j < LP; j += 8) {  /* 8 keys' scores, each summed over d in order */
-          v8 s = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (long d = 0; d < D; d++) s = s + qf[d] * load_f32(kt + d * LP + j);
-          s = s * scale;
-          memcpy(p + j, &s, 32);
-        }
-        float top = -__builtin_inff();
-        for (long j = 0; j < L; j++) if (m[j] && p[j] > top) top = p[j];
-        for (long j = 0; j < LP; j += 8) {
-          v8 e = exp8(load_f32(p + j) - top);
-          memcpy(p + j, &e, 32);
-        }
-        float total = 0.0f;
-        memset(acc, 0, sizeof(v8) * (DP / 8));
-        for (long j = 0; j < L; j++) {
-          if (!m[j]) continue;
-          float w = p[j];
-          total = total + w;
-          const float *vr = vf + j * DP;
-          for (long d = 0; d < DP / 8; d++) acc[d] = acc[d] + w * load_f32(vr + 8 * d);
-        }
-        float *o = out + ((b * Q + i) * Hq + h) * DV;
-        const float *a = (const float *)acc;
-        for (long d = 0; d < DV; d++) o[d] = total > 0.0f ? a[d] / total : 0.0f;
+    for (long r = 0; r < rows; r++) {  /* r = (query head h - g * group) * Q + query row i */
+      long h = g * group + r / Q, i = r % Q;
+      widen_row(q, b * qsb + h * qsh + i * qst, D, DP, is_bf16, qf + r * DP);
+    }
+    for (long j = 0; j < L; j++) {  /* scores: key j widened once for every row that may see it */
+      int seen = 0;
+      for (long i = 0; i < Q && !seen; i++) seen = mask[i * L + j];
+      if (!seen) continue;
+      widen_row(k, b * ksb + g * ksh + j * kst, D, DP, is_bf16, kf);
+      for (long r = 0; r < rows; r++) {
+        if (!mask[(r % Q) * L + j]) continue;
+        const float *qr = qf + r * DP;
+        v8 s = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (long d = 0; d < DP; d += 8) VMADD(s, load_f32(qr + d), load_f32(kf + d));
+        p[r * LP + j] = hsum8(s) * scale;
       }
     }
-    free(kt); free(vf); free(row); free(qf); free(p); free(acc);
+    for (long r = 0; r < rows; r++) {  /* softmax numerators per row, in float32 */
+      const unsigned char *m = mask + (r % Q) * L;
+      float *pr = p + r * LP, top = -__builtin_inff();
+      for (long j = 0; j < L; j++) if (m[j] && pr[j] > top) top = pr[j];
+      for (long j = 0; j < LP; j++) pr[j] = (j < L && m[j]) ? pr[j] - top : -100.0f;
+      for (long j = 0; j < LP; j += 8) { v8 e = exp8(load_f32(pr + j)); memcpy(pr + j, &e, 32); }
+    }
+    memset(acc, 0, sizeof(v8) * rows * (VP / 8));
+    for (long j = 0; j < L; j++) {  /* values: value j widened once, added to every row that sees it, slot order */
+      int seen = 0;
+      for (long i = 0; i < Q && !seen; i++) seen = mask[i * L + j];
+      if (!seen) continue;
+      widen_row(v, b * vsb + g * vsh + j * vst, DV, VP, is_bf16, kf);
+      for (long r = 0; r < rows; r++) {
+        if (!mask[(r % Q) * L + j]) continue;
+        float w = p[r * LP + j];
+        total[r] = total[r] + w;
+        v8 *ar = acc + r * (VP / 8);
+        for (long d = 0; d < VP / 8; d++) ar[d] = ar[d] + w * load_f32(kf + 8 * d);
+      }
+    }
+    for (long r = 0; r < rows; r++) {
+      long h = g * group + r / Q, i = r % Q;
+      float *o = out + ((b * Q + i) * Hq + h) * DV;
+      const float *a = (const float *)(acc + r * (VP / 8));
+      for (long d = 0; d < DV; d++) o[d] = total[r] > 0.0f ? a[d] / total[r] : 0.0f;
+    }
+    free(qf); free(p); free(kf); free(acc); free(total);
   }
   return failed ? -1 : 0;
 }
