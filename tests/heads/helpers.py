@@ -16,6 +16,8 @@ VARIANTS = {
     "eagle": ("eagle", {"eagle_fc_bias": True}),
     "eagle3": ("eagle3", {"draft_vocab_size": 96}),
     "mtp": ("mtp", {"mtp_num_depths": 2}),
+    "dflash": ("dflash", {"block_size": 4, "num_draft_layers": 2}),
+    "peagle": ("peagle", {"block_size": 3, "num_draft_layers": 2, "draft_vocab_size": 96}),
 }
 TARGET_NAME = "tiny-llama"
 
@@ -33,7 +35,7 @@ def random_heads(variant: str, target, seed: int = 0, name: str = TARGET_NAME):
     with torch.no_grad():
         for p in heads.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-    if kind == "eagle3":
+    if kind in ("eagle3", "peagle"):
         counts = torch.randint(0, 1000, (config.vocab_size,), generator=generator)
         heads.set_vocab_mapping(*build_vocab_mapping(counts, config.draft_vocab_size))
     return heads.eval()
@@ -58,6 +60,18 @@ def head_outputs(heads, target, seed: int = 1) -> list[torch.Tensor]:
             out = heads(feats, ids, embed_tokens=tm.embed_tokens, position_ids=pos)
             logits = heads.compute_logits(out.hidden_states)
             return [out.hidden_states, logits, heads.draft_to_target(logits.argmax(-1))]
+        if kind == "dflash":
+            cache = heads.context_cache(heads.project([hidden, hidden * 0.5, -hidden]), pos)
+            block = heads.block_ids(ids[:, -1])
+            out = heads(block, embed_tokens=tm.embed_tokens, position_ids=6 + torch.arange(4)[None].expand(2, -1),
+                        context=cache)
+            return [cache[1].key, out, heads.compute_logits(out, tm.lm_head)]
+        if kind == "peagle":
+            feats = torch.cat([heads.project([hidden, hidden * 0.5, -hidden]), heads.mask_features(2)[None].expand(2, -1, -1)], 1)
+            out, cache = heads(feats, torch.cat([ids, ids[:, :2]], 1), embed_tokens=tm.embed_tokens,
+                               position_ids=torch.arange(8)[None].expand(2, -1))
+            logits = heads.compute_logits(out)
+            return [out, cache[1].value, logits, heads.draft_to_target(logits.argmax(-1))]
         outs = []
         for depth in range(heads.config.mtp_num_depths):
             out = heads(hidden, ids, depth=depth, embed_tokens=tm.embed_tokens, position_ids=pos)

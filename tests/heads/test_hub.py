@@ -52,7 +52,7 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("variant", ["medusa", "eagle3", "mtp"])
+@pytest.mark.parametrize("variant", ["medusa", "eagle3", "mtp", "dflash", "peagle"])
 def test_push_uploads_exactly_the_saved_directory(variant, hub, tmp_path):
     target = tiny_target()
     heads = random_heads(variant, target)
