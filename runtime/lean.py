@@ -106,9 +106,9 @@ class _Layer:
         self.qkv_width = _padded(self.qkv)
         self.gate_up, self.gate_up_bias, self.gate_up_spans = _fused([mlp.gate_proj, mlp.up_proj])
         self.gate_up_width = _padded(self.gate_up)
-        self.o_proj, self.down_proj, self.act = attention.o_proj, mlp.down_proj, mlp.act_fn
-        self.o_panels, self.o_bias = _panels_and_bias(self.o_proj)
-        self.down_panels, self.down_bias = _panels_and_bias(self.down_proj)
+        self.act = mlp.act_fn
+        self.o_panels, self.o_bias = _panels_and_bias(attention.o_proj)
+        self.down_panels, self.down_bias = _panels_and_bias(mlp.down_proj)
         (_, q_out), (k0, _), _ = self.qkv_spans
         # q and k rotated by one pair of elementwise ops where k's columns follow q's (no norm between them)
         self.joint_rotary = self.q_norm is None and k0 == q_out
