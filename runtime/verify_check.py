@@ -288,35 +288,54 @@ def verify_check(model: PreTrainedModel, use_cache: bool = True) -> CheckResult:
 STEPS_PROBE = 16  # tokens of the verify compared with one-token steps (sdpa's reduction order changes from 4+ rows)
 
 
+def _probe_forwards(target: TargetModel, tokens: int, seed: int, with_hidden: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """After a random prefix (from `seed`): `tokens` random tokens fed one at a time, then the same tokens verified as
+    one chain: (the steps' logits [tokens, V], their last hidden states [tokens, H] when asked, the verify's logits).
+    Leaves the target with a cache to be replaced by the next prefill."""
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prefix, chain = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen), torch.randint(vocab, (tokens,), generator=gen)
+    indices = (-1,) if with_hidden else ()
+    target.prefill(prefix)
+    steps, hidden = [], []
+    for token in chain:
+        out = target.forward(token[None].to(target.device), Tree.chain(0), hidden_state_indices=indices)
+        steps.append(out.logits[0])
+        if with_hidden:
+            hidden.append(out.hidden[-1][0])
+        target.commit([0])
+    target.prefill(prefix)
+    verified = target.forward(chain.to(target.device), Tree.chain(tokens - 1)).logits
+    target.commit([])
+    return torch.stack(steps), torch.stack(hidden) if with_hidden else None, verified
+
+
 def verify_equals_steps(target: TargetModel, tokens: int = STEPS_PROBE, seed: int = 0) -> bool:
     """Whether a verify of `tokens` tokens (a chain) gives the same logits, bit for bit, as feeding them one at a
     time: the property that makes speculative output equal plain decoding's in a reduced dtype (runtime.kernels:
     batch-invariant Linear and attention). Leaves the target with a cache to be replaced by the next prefill."""
-    vocab = target.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    prefix, chain = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen), torch.randint(vocab, (tokens,), generator=gen)
-    target.prefill(prefix)
-    verified = target.forward(chain.to(target.device), Tree.chain(tokens - 1)).logits
-    target.commit([])
-    target.prefill(prefix)
-    steps = []
-    for token in chain:
-        steps.append(target.forward(token[None].to(target.device), Tree.chain(0)).logits[0])
-        target.commit([0])
-    return torch.equal(verified, torch.stack(steps))
+    steps, _, verified = _probe_forwards(target, tokens, seed)
+    return torch.equal(verified, steps)
+
+
+def _cached_probe(target: TargetModel, layout: str, probe: str, field: str, compute, use_cache: bool):
+    """`compute()` for this model, dtype and layout, from the verify check's on-disk cache (keyed with `probe`) or run
+    and cached there; run uncached for a model built in memory or use_cache=False."""
+    key = check_key(target.model) if use_cache else None
+    if key is None:
+        return compute()
+    key = {**key, "layout": layout, "probe": probe}
+    record = cache.cached_json(_cache_file(key), lambda: {"key": key, field: compute()},
+                               valid=lambda record: record.get("key") == key and field in record)
+    return record[field]
 
 
 def steps_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
     """The verify check's second line for a reduced dtype (cached with the check): whether verifying equals one-token
     steps bit for bit on this model, dtype and weight layout."""
-    key = check_key(target.model) if use_cache else None
-    if key is not None:
-        key = {**key, "layout": layout, "probe": f"steps{STEPS_PROBE}"}
-        record = cache.cached_json(_cache_file(key), lambda: {"key": key, "equal": verify_equals_steps(target)},
-                                   valid=lambda record: record.get("key") == key and "equal" in record)
-        equal = bool(record["equal"])
-    else:
-        equal = verify_equals_steps(target)
+    equal = bool(_cached_probe(target, layout, f"steps{STEPS_PROBE}", "equal", lambda: verify_equals_steps(target),
+                               use_cache))
     where = f"({dtype_name(target.dtype)}, {layout})"
     if equal:
         return (f"verify check: a {STEPS_PROBE}-token verify == {STEPS_PROBE} one-token steps bit for bit {where}: "
@@ -332,23 +351,9 @@ def lean_matches(target: TargetModel, tokens: int = STEPS_PROBE, seed: int = 1) 
     """'' when the lean forward (runtime.lean) gives transformers' forward's logits and last hidden states bit for bit
     on `tokens` one-token steps after a random prefix (plain decoding is unchanged) and its own `tokens`-token verify
     gives its one-token steps' logits (speculation is lossless on it); else what differed."""
-    vocab = target.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    prefix, chain = torch.randint(vocab, (PREFIX_LENGTH,), generator=gen), torch.randint(vocab, (tokens,), generator=gen)
-
-    def run(lean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(lean: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         target.lean_wanted = lean
-        target.prefill(prefix)
-        steps, hidden = [], []
-        for token in chain:
-            out = target.forward(token[None].to(target.device), Tree.chain(0), hidden_state_indices=(-1,))
-            steps.append(out.logits[0])
-            hidden.append(out.hidden[-1][0])
-            target.commit([0])
-        target.prefill(prefix)
-        verified = target.forward(chain.to(target.device), Tree.chain(tokens - 1)).logits
-        target.commit([])
-        return torch.stack(steps), torch.stack(hidden), verified
+        return _probe_forwards(target, tokens, seed, with_hidden=True)
 
     wanted = target.lean_wanted
     try:
@@ -371,14 +376,8 @@ def lean_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
         return ""
     if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return f"verify check: lean forward off (${LEAN_ENV}); decode steps run transformers' forward"
-    key = check_key(target.model) if use_cache else None
-    if key is not None:
-        key = {**key, "layout": layout, "probe": f"lean{STEPS_PROBE}"}
-        record = cache.cached_json(_cache_file(key), lambda: {"key": key, "difference": lean_matches(target)},
-                                   valid=lambda record: record.get("key") == key and "difference" in record)
-        difference = str(record["difference"])
-    else:
-        difference = lean_matches(target)
+    difference = str(_cached_probe(target, layout, f"lean{STEPS_PROBE}", "difference", lambda: lean_matches(target),
+                                   use_cache))
     where = f"({dtype_name(target.dtype)}, {layout})"
     if difference:
         return f"verify check: lean forward off {where}: its {difference}; decode steps run transformers' forward"
