@@ -13,7 +13,7 @@ from runtime.lean import LeanForward, lean_unavailable
 from runtime.target import TargetModel
 from runtime.tree import Tree
 from runtime.verify_check import lean_matches, prepare_target
-from tests.runtime.test_row_attention import TREES, _steps_equal_verify
+from tests.runtime.test_row_attention import assert_every_tree_verifies_as_steps
 from tests.tiny_models import stories260k, tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler for the kernels")
@@ -48,12 +48,7 @@ def test_lean_steps_are_transformers_bits_and_its_verify_is_its_steps(arch):
     assert lean_matches(target) == ""
     target.lean_wanted = True
     assert target.lean_forward() is not None
-    gen = torch.Generator().manual_seed(1)
-    vocab = min(target.vocab_size, 500)
-    prompt = torch.randint(3, vocab, (21,), generator=gen)
-    for name, tree in TREES.items():
-        tokens = torch.randint(3, vocab, (tree.num_nodes,), generator=gen)
-        assert _steps_equal_verify(target, prompt, tokens, tree) == [], f"{arch} {name}"
+    assert_every_tree_verifies_as_steps(target, arch)
 
 
 def test_lean_cache_survives_compaction_batches_and_layout_changes():

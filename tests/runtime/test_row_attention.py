@@ -81,12 +81,17 @@ def test_bf16_verify_is_bit_equal_to_one_token_steps(arch):
     set_layout(model, "rows+panels")  # the Linear layers through the batch-invariant panel kernel (auto in bf16)
     target = TargetModel(model)
     assert target._rows_attention
+    assert_every_tree_verifies_as_steps(target, arch)
+
+
+def assert_every_tree_verifies_as_steps(target: TargetModel, label: str) -> None:
+    """Every tree of TREES, verified after a seeded prompt, gives the logits of its paths fed one token at a time."""
     gen = torch.Generator().manual_seed(1)
     vocab = min(target.vocab_size, 500)
     prompt = torch.randint(3, vocab, (21,), generator=gen)
     for name, tree in TREES.items():
         tokens = torch.randint(3, vocab, (tree.num_nodes,), generator=gen)
-        assert _steps_equal_verify(target, prompt, tokens, tree) == [], f"{arch} {name}"
+        assert _steps_equal_verify(target, prompt, tokens, tree) == [], f"{label} {name}"
 
 
 # --------------------------------------------------------------- bf16 speculative == plain bf16, token for token
