@@ -290,11 +290,11 @@ class EagleTraining(nn.Module):
         return LossOutput(total, DepthStats.stack(stats), {"feature_loss": feature_sum, "token_loss": token_sum})
 
 
-class Eagle3Training(nn.Module):
-    """EAGLE-3: three target layers -> fc; soft CE over the draft vocabulary; training-time test unrolls
-    `ttt_steps` steps on the draft's own outputs with weights head_decay**s."""
+class _FusedFeaturesTraining(nn.Module):
+    """What EAGLE-3, DFlash and P-EAGLE training share: a draft fed several target layers' hidden states, concatenated
+    and projected by its `fc` (`features`), and the target's last hidden state for the soft targets."""
 
-    def __init__(self, draft: Eagle3Draft, target: nn.Module, config: TrainConfig) -> None:
+    def __init__(self, draft: Eagle3Draft | DFlashDraft | PEagleDraft, target: nn.Module, config: TrainConfig) -> None:
         super().__init__()
         self.draft = draft
         self._target = _FrozenTarget(target)
@@ -305,11 +305,20 @@ class Eagle3Training(nn.Module):
     def heads(self) -> HeadsModule:
         return self.draft
 
+    def features(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(the draft's projected features [B, T, H], the target's last hidden state [B, T, H])."""
+        *layers, last = target_hidden_states(self._target.model, batch, self.feature_layers)
+        return self.draft.project(torch.cat(layers, dim=-1).to(self.draft.fc.weight.dtype)), last
+
+
+class Eagle3Training(_FusedFeaturesTraining):
+    """EAGLE-3: three target layers -> fc; soft CE over the draft vocabulary; training-time test unrolls
+    `ttt_steps` steps on the draft's own outputs with weights head_decay**s."""
+
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
-        *three, last = target_hidden_states(self._target.model, batch, self.feature_layers)
-        first = self.draft.project(torch.cat(three, dim=-1).to(self.draft.fc.weight.dtype))
+        first, last = self.features(batch)
         steps = config.ttt_steps if train else config.eval_depth
         outputs = unroll_draft(self.draft, first, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
@@ -432,31 +441,19 @@ def dflash_blocks(draft: DFlashDraft, context: Tensor, input_ids: Tensor, anchor
     return out.view(batch_size, count, block, -1)
 
 
-class DFlashTraining(nn.Module):
+class DFlashTraining(_FusedFeaturesTraining):
     """DFlash: K target layers -> context; `num_anchors` random blocks per sequence drafted in one forward under
     one mask (block j sees the context before its anchor and itself); slot k (1..B-1) predicts token anchor+k with
     the soft CE of EAGLE-3 (the target's distribution, over the draft vocabulary), weighted exp(-(k-1)/gamma).
     Slot 0 (the anchor itself) has no loss. Depth d of the statistics is slot d+1."""
 
-    def __init__(self, draft: DFlashDraft, target: nn.Module, config: TrainConfig) -> None:
-        super().__init__()
-        self.draft = draft
-        self._target = _FrozenTarget(target)
-        self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
-        self.config = config
-
-    @property
-    def heads(self) -> HeadsModule:
-        return self.draft
-
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen, draft = self.config, self._target.modules, self.draft
-        *features, last = target_hidden_states(self._target.model, batch, self.feature_layers)
+        context, last = self.features(batch)  # [B, T, H] each
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         batch_size, length = input_ids.shape
         block = draft.block_size
-        context = draft.project(torch.cat(features, dim=-1).to(draft.fc.weight.dtype))  # [B, T, H]
         anchors, valid = sample_anchors(loss_mask, config.num_anchors if train else 2 * config.num_anchors, train,
                                         generator)
         out = dflash_blocks(draft, context, input_ids, anchors, valid, frozen.embed_tokens)  # [B, n, B, H]
@@ -520,32 +517,20 @@ def peagle_entries(draft: PEagleDraft, first: Tensor, input_ids: Tensor, groups:
     return out
 
 
-class PEagleTraining(nn.Module):
+class PEagleTraining(_FusedFeaturesTraining):
     """P-EAGLE: EAGLE-3 entries (target features) at every position and, for depths d = 1..K-1, masked entries
     (fc(mask_hidden), mask token) at t+d for a nested random subset of n * max(r^d, r_min) positions t, all in one
     forward: entry (d, t) sees the depth-0 entries <= t and the masked entries of its own chain up to depth d.
     Depth d predicts token t+2+d with EAGLE-3's soft CE, weighted head_decay**d. Evaluation keeps every position."""
 
-    def __init__(self, draft: PEagleDraft, target: nn.Module, config: TrainConfig) -> None:
-        super().__init__()
-        self.draft = draft
-        self._target = _FrozenTarget(target)
-        self.feature_layers = list(draft.config.target_layers) + [target.config.get_text_config().num_hidden_layers]
-        self.config = config
-
-    @property
-    def heads(self) -> HeadsModule:
-        return self.draft
-
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen, draft = self.config, self._target.modules, self.draft
-        *features, last = target_hidden_states(self._target.model, batch, self.feature_layers)
+        first, last = self.features(batch)  # [B, T, H] each
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         batch_size, length = input_ids.shape
         device = input_ids.device
         depths = draft.block_size
-        first = draft.project(torch.cat(features, dim=-1).to(draft.fc.weight.dtype))  # [B, T, H]
         targets = depth_targets(input_ids, loss_mask, depths)
         scores = torch.rand(batch_size, length, generator=generator, device=device)
         groups = [(torch.arange(length, device=device).expand(batch_size, -1),
