@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from heads.checkpoint import load_heads, push_to_hub, save_heads
 from heads.config import HEAD_CLASSES, KINDS, OWN_LM_HEAD_KINDS, HeadsConfig
-from heads.draft_vocab import validate_vocab_mapping
+from heads.draft_vocab import draft_logits_to_target, draft_to_target_ids, validate_vocab_mapping
 from heads.layers import LayerKV
 
 
@@ -114,3 +114,20 @@ class HeadsModule(nn.Module):
 
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
         return push_to_hub(self, repo_id, **kwargs)
+
+
+class OwnLMHeadDraft(HeadsModule):
+    """A draft with its own `norm` and reduced-vocabulary `lm_head` and the `d2t` buffer (EAGLE-3, P-EAGLE): logits
+    over the draft vocabulary and their mapping to target ids."""
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """Pre-norm output [..., H] -> draft-vocabulary logits [..., draft_vocab_size]."""
+        return self.lm_head(self.norm(hidden_states))
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft ids [...] -> target ids [...]."""
+        return draft_to_target_ids(draft_ids, self.d2t)
+
+    def logits_to_target(self, draft_logits: Tensor) -> Tensor:
+        """Draft logits [..., Vd] -> [..., V] with -inf outside the draft vocabulary."""
+        return draft_logits_to_target(draft_logits, self.d2t, self.config.vocab_size)

@@ -24,9 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from heads.base import DraftOutput, HeadsModule
+from heads.base import DraftOutput, HeadsModule, OwnLMHeadDraft
 from heads.config import HeadsConfig
-from heads.draft_vocab import draft_logits_to_target, draft_to_target_ids
 from heads.layers import DecoderLayer, LayerKV, RMSNorm
 
 
@@ -55,7 +54,7 @@ class EagleDraft(HeadsModule, kind="eagle"):
         return lm_head(hidden_states)
 
 
-class Eagle3Draft(HeadsModule, kind="eagle3"):
+class Eagle3Draft(OwnLMHeadDraft, kind="eagle3"):
     """EAGLE-3 draft: `fc`, `midlayer`, `norm`, `lm_head` (reduced vocab) and buffers `d2t`, `t2d`."""
 
     def __init__(self, config: HeadsConfig) -> None:
@@ -89,15 +88,3 @@ class Eagle3Draft(HeadsModule, kind="eagle3"):
         out, kv = self.midlayer(hidden_states, position_ids, attention_mask, past_key_value,
                                 inputs_embeds=embeds)
         return DraftOutput(out, kv)
-
-    def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """Pre-norm output [..., H] -> draft-vocabulary logits [..., draft_vocab_size]."""
-        return self.lm_head(self.norm(hidden_states))
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        """Draft ids [...] -> target ids [...]."""
-        return draft_to_target_ids(draft_ids, self.d2t)
-
-    def logits_to_target(self, draft_logits: Tensor) -> Tensor:
-        """Draft logits [..., Vd] -> [..., V] with -inf outside the draft vocabulary."""
-        return draft_logits_to_target(draft_logits, self.d2t, self.config.vocab_size)

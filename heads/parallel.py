@@ -29,9 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from heads.base import HeadsModule
+from heads.base import HeadsModule, OwnLMHeadDraft
 from heads.config import HeadsConfig
-from heads.draft_vocab import draft_logits_to_target, draft_to_target_ids
 from heads.layers import DecoderLayer, LayerKV, RMSNorm, context_key_value
 
 
@@ -106,7 +105,7 @@ class DFlashDraft(HeadsModule, kind="dflash"):
         return lm_head(normed.to(lm_head.weight.dtype))
 
 
-class PEagleDraft(HeadsModule, kind="peagle"):
+class PEagleDraft(OwnLMHeadDraft, kind="peagle"):
     """P-EAGLE drafter: `fc`, `layers.0` (EAGLE-3 midlayer), `layers.{1..}` (Llama layers), `norm`, `lm_head`
     (reduced vocabulary), `mask_hidden` [K*H], buffers `d2t`/`t2d`."""
 
@@ -147,13 +146,3 @@ class PEagleDraft(HeadsModule, kind="peagle"):
             x, kv = layer(x, position_ids, attention_mask, kv)
             new.append(kv)
         return x, new
-
-    def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """Pre-norm output [..., H] -> draft-vocabulary logits [..., draft_vocab_size]."""
-        return self.lm_head(self.norm(hidden_states))
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_to_target_ids(draft_ids, self.d2t)
-
-    def logits_to_target(self, draft_logits: Tensor) -> Tensor:
-        return draft_logits_to_target(draft_logits, self.d2t, self.config.vocab_size)
