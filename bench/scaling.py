@@ -53,6 +53,11 @@ class ScalingConfig:
                             "for that method); empty = every size for every method.", "")
     jobs: int = _help("Training runs at once (each one process, one thread); runs start smallest size first.", 1)
     num_epochs: float = _help("Epochs over each subset (the same for every size).", 1.0)
+    more_epochs: str = _help("Comma-separated further epoch counts: a size x epochs grid (each size also trained for "
+                             "each of these epochs, a run of its own with its own learning-rate schedule); empty = "
+                             "--num_epochs only.", "")
+    more_epochs_max_tokens: int = _help("The --more_epochs runs only at sizes up to this many tokens; 0 = every "
+                                        "size.", 0)
     eval_samples: int = _help("Held-out rows evaluated per run.", 80)
     eval_top_k: int = _help("k of the top-k accuracy.", 3)
     extra_flags: str = _help("More flags for every run, e.g. '--learning_rate 3e-4'.", "")
@@ -75,6 +80,9 @@ class ScalingConfig:
             raise ValueError(f"--token_sizes: expected increasing positive integers, got {self.token_sizes!r}")
         if self.jobs < 1:
             raise ValueError(f"--jobs: expected >= 1, got {self.jobs}")
+        if self.num_epochs <= 0 or any(e <= 0 for e in self.epoch_list()):
+            raise ValueError(f"--num_epochs / --more_epochs: expected positive numbers, got {self.num_epochs}, "
+                             f"{self.more_epochs!r}")
         self.caps()
         self.extra_run_list()
         if "{method}" not in self.recipes:
@@ -87,10 +95,24 @@ class ScalingConfig:
         caps = {m: int(n) for m, n in method_items(self.max_tokens, "--max_tokens", "TOKENS", str.isdigit)}
         return {m: n for m, n in caps.items() if m in self.method_list()}  # a config's caps outlive --methods
 
-    def runs(self) -> list[tuple[str, int]]:
-        """(method, size) in the order they start: smallest size first."""
-        caps = self.caps()
-        return [(m, n) for n in self.sizes() for m in self.method_list() if n <= caps.get(m, n)]
+    def runs(self) -> list[tuple[str, int, float]]:
+        """(method, size, epochs) in the order they start: smallest size first, then fewest epochs."""
+        caps, limit = self.caps(), self.more_epochs_max_tokens
+        return [(m, n, e) for n in self.sizes() for e in self.epoch_list() for m in self.method_list()
+                if n <= caps.get(m, n) and (e == self.num_epochs or not limit or n <= limit)]
+
+    def epoch_list(self) -> list[float]:
+        """--num_epochs, then --more_epochs (duplicates dropped)."""
+        try:
+            more = [float(x) for x in self.more_epochs.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--more_epochs: expected comma-separated numbers, got {self.more_epochs!r}") from None
+        return list(dict.fromkeys([float(self.num_epochs), *more]))
+
+    def run_dir(self, method: str, size: int, epochs: float) -> Path:
+        """<output_dir>/<method>_<size>, with _e<epochs> for the --more_epochs runs."""
+        suffix = "" if epochs == self.num_epochs else f"_e{epochs:g}"
+        return Path(self.output_dir) / f"{method}_{size}{suffix}"
 
     def sizes(self) -> list[int]:
         try:
@@ -128,8 +150,13 @@ def final_record(run_dir: Path) -> dict[str, Any] | None:
 
 def summarise(method: str, size: int, record: dict[str, Any], top_k: int, dataset: str, run_dir: Path, kind: str
               ) -> dict[str, Any]:
-    """One results row; `kind` is "curve" (a run of this curve) or "extra" (an --extra_runs run)."""
+    """One results row; `kind` is "curve" (a run of this curve) or "extra" (an --extra_runs run). The run's epochs,
+    learning rate and draft layers come from its saved config (None where the directory holds none)."""
+    settings = load_saved_config(run_dir)
+    recipe = {name: getattr(settings, name, None) for name in ("num_epochs", "learning_rate", "num_layers")}
     return {"method": method, "kind": kind, "dataset": dataset, "run_dir": str(run_dir), "requested_tokens": size,
+            "epochs": recipe["num_epochs"], "learning_rate": recipe["learning_rate"],
+            "num_layers": recipe["num_layers"],
             "train_tokens": record.get("train/assistant_tokens"),
             "train_rows": record.get("train/rows"), "steps": record["step"],
             "top1_per_depth": [round(v, 4) for v in per_depth(record, "top1")],
@@ -139,12 +166,12 @@ def summarise(method: str, size: int, record: dict[str, Any], top_k: int, datase
             "samples_per_second": round(record["train/samples_per_second"], 3)}
 
 
-def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path) -> list[str]:
+def train_command(config: ScalingConfig, method: str, size: int, run_dir: Path, epochs: float) -> list[str]:
     script = Path(__file__).resolve().parents[1] / "training" / "train_heads.py"
     command = [sys.executable, str(script), "--config", config.recipes.format(method=method),
                "--dataset", config.dataset, "--eval_dataset", config.eval_dataset,
                "--eval_samples", str(config.eval_samples), "--eval_top_k", str(config.eval_top_k),
-               "--max_train_tokens", str(size), "--max_steps", "-1", "--num_epochs", str(config.num_epochs),
+               "--max_train_tokens", str(size), "--max_steps", "-1", "--num_epochs", f"{epochs:g}",
                "--eval_steps", "0", "--save_steps", "0", "--output_dir", str(run_dir),
                "--heads_dir", str(run_dir / "heads"), "--progress_bar", "false", "--resume_from", "none"]
     if config.features:
@@ -158,25 +185,36 @@ def write_results(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
     write_json(Path(config.results_json), {"config": asdict(config), "runs": runs})
 
 
+def series_label(row: dict[str, Any], config: ScalingConfig) -> str:
+    """The plot's line a row belongs to: its method, and its epochs when the grid has several; an --extra_runs row
+    is its own point, named by its run directory."""
+    if row["kind"] == "extra":
+        return f"{row['method']} {Path(row['run_dir']).name}"
+    several = len(config.epoch_list()) > 1
+    return f"{row['method']}, {row['epochs']:g} epochs" if several and row.get("epochs") else row["method"]
+
+
 def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method in config.method_list():
-        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["train_tokens"])
-        if not mine:
-            continue
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in runs:
+        series.setdefault(series_label(row, config), []).append(row)
+    for label, mine in series.items():
+        mine = sorted(mine, key=lambda r: r["train_tokens"])
         tokens = [r["train_tokens"] for r in mine]
-        left.plot(tokens, [r["expected_tau"] for r in mine], marker="o", label=method)
-        right.plot(tokens, [r["top1_per_depth"][0] for r in mine], marker="o", label=f"{method} depth 0")
-        if len(mine[0]["top1_per_depth"]) > 1:
+        marker = "s" if mine[0]["kind"] == "extra" else "o"
+        left.plot(tokens, [r["expected_tau"] for r in mine], marker=marker, label=label)
+        right.plot(tokens, [r["top1_per_depth"][0] for r in mine], marker=marker, label=f"{label}, depth 0")
+        if len(mine[0]["top1_per_depth"]) > 1 and mine[0]["kind"] == "curve" and len(series) <= 4:
             right.plot(tokens, [r["top1_per_depth"][1] for r in mine], marker="x", linestyle="--",
-                       label=f"{method} depth 1")
+                       label=f"{label}, depth 1")
     for axis, label in ((left, "expected tau (greedy chain, held out)"), (right, "held-out top-1")):
         axis.set_xscale("log")
         axis.set_xlabel("training assistant tokens")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     datasets = ", ".join(dict.fromkeys(Path(r["dataset"]).name for r in runs))
     fig.suptitle(f"data scaling: {datasets}, held out on {Path(config.eval_dataset).name}")
     fig.tight_layout()
@@ -188,9 +226,13 @@ def markdown_table(runs: list[dict[str, Any]], top_k: int) -> str:
     def depths(values: list[float]) -> str:
         return " ".join(f"{v:.3f}".lstrip("0") for v in values)
 
-    columns = ["method", "data", "training assistant tokens", "steps", "held-out top-1 per depth",
-               f"top-{top_k} per depth", "expected tau", "train s"]
-    return table(columns, [[r["method"], Path(r["dataset"]).name, f"{r['train_tokens']:,}", r["steps"],
+    def number(value: float | None) -> str:
+        return "" if value is None else f"{value:g}"
+
+    columns = ["method", "data", "training assistant tokens", "epochs", "learning rate", "layers", "steps",
+               "held-out top-1 per depth", f"top-{top_k} per depth", "expected tau", "train s"]
+    return table(columns, [[r["method"], Path(r["dataset"]).name, f"{r['train_tokens']:,}", number(r.get("epochs")),
+                            number(r.get("learning_rate")), number(r.get("num_layers")), r["steps"],
                             depths(r["top1_per_depth"]), depths(r[f"top{top_k}_per_depth"]),
                             f"{r['expected_tau']:.3f}", f"{r['train_seconds']:.0f}"] for r in runs])
 
@@ -216,28 +258,28 @@ def kept_rows(config: ScalingConfig) -> dict[tuple[str, str], dict[str, Any]]:
             if valid.get(row.get("kind")) and "run_dir" in row}
 
 
-def run_one(config: ScalingConfig, method: str, size: int, kept: dict[tuple[str, str], dict[str, Any]] | None = None
-            ) -> dict[str, Any]:
-    """Train (unless finished on disk, or kept from the results JSON) and summarise one (method, size) run."""
-    run_dir = Path(config.output_dir) / f"{method}_{size}"
+def run_one(config: ScalingConfig, method: str, size: int, epochs: float,
+            kept: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Train (unless finished on disk, or kept from the results JSON) and summarise one (method, size, epochs) run."""
+    run_dir = config.run_dir(method, size, epochs)
     record = final_record(run_dir)
     row = (kept or {}).get(("curve", str(run_dir)))
     if record is None and row is not None:
-        print(f"[scaling] {method} {size}: {run_dir} is gone; its row is kept from {config.results_json}", flush=True)
+        print(f"[scaling] {run_dir.name}: {run_dir} is gone; its row is kept from {config.results_json}", flush=True)
         return row
     if record is None:
-        print(f"[scaling] {method}, {size} assistant tokens -> {run_dir}", flush=True)
+        print(f"[scaling] {method}, {size} assistant tokens, {epochs:g} epochs -> {run_dir}", flush=True)
         started = time.perf_counter()
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:  # the run's own output, beside it
-            subprocess.run(train_command(config, method, size, run_dir), check=True, stdout=log,
+            subprocess.run(train_command(config, method, size, run_dir, epochs), check=True, stdout=log,
                            stderr=subprocess.STDOUT)
         record = final_record(run_dir)
         if record is None:
             raise ValueError(f"{run_dir}: training finished without final metrics")
-        print(f"[scaling] {method} {size}: {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"[scaling] {run_dir.name}: {time.perf_counter() - started:.0f} s", flush=True)
     row = summarise(method, size, record, config.eval_top_k, config.dataset, run_dir, "curve")
-    print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {row['steps']:>5} steps  tau "
+    print(f"[scaling] {method:7s} {row['train_tokens']:>8} tokens {epochs:g} epochs {row['steps']:>5} steps  tau "
           f"{row['expected_tau']:.3f}  top-1 {row['top1_per_depth']}", flush=True)
     return row
 
@@ -270,9 +312,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     kept = kept_rows(config)
     extra = [extra_row(config, m, d, kept) for m, d in config.extra_run_list()]  # checked before hours of training
     order = config.runs()
-    done: dict[tuple[str, int], dict[str, Any]] = {}
+    done: dict[tuple[str, int, float], dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=config.jobs) as pool:
-        futures = {pool.submit(run_one, config, method, size, kept): (method, size) for method, size in order}
+        futures = {pool.submit(run_one, config, *key, kept): key for key in order}
         for future, key in futures.items():
             done[key] = future.result()
             write_results(config, [done[k] for k in order if k in done] + extra)

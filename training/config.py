@@ -130,8 +130,9 @@ class TrainConfig:
     max_train_minutes: float = _help("Stop training after this many wall-clock minutes of the loop (the learning-rate "
                                      "schedule still spans max_steps / num_epochs); 0 = no limit. For comparisons "
                                      "at equal training time.", default=0.0)
-    mixed_precision: str | None = _help("no, fp16 or bf16; unset = whatever `accelerate launch` says.",
-                                        default=None)
+    mixed_precision: str | None = _help("no, fp16, bf16 or auto (bf16 autocast where bf16 is fast: CUDA with bf16, a "
+                                        "CPU with AVX512-BF16 or AMX; no elsewhere, where torch emulates bf16); unset "
+                                        "= whatever `accelerate launch` says.", default=None)
     seed: int = _help("Seed for head initialisation, data order and noise.", default=0)
 
     # --- evaluation, checkpoints, logging
@@ -175,7 +176,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "--method", f"one of {METHODS}", self.method)
         _check(self.report_to in REPORT_TO, "--report_to", f"one of {REPORT_TO}", self.report_to)
-        _check(self.mixed_precision in (None, "no", "fp16", "bf16"), "--mixed_precision", "no, fp16 or bf16",
+        _check(self.mixed_precision in (None, "no", "fp16", "bf16", "auto"), "--mixed_precision", "no, fp16, bf16 or auto",
                self.mixed_precision)
         _check(self.target_dtype == "auto" or self.target_dtype in TARGET_DTYPES, "--target_dtype",
                f"auto or one of {TARGET_DTYPES}", self.target_dtype)

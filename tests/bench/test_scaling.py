@@ -24,6 +24,7 @@ def test_scaling_command_trains_each_size_once_and_resumes(stories_dataset, tmp_
     runs = main(flags)
     assert [r["requested_tokens"] for r in runs] == [200, 600]
     assert runs[0]["steps"] < runs[1]["steps"]  # same epochs: steps grow with the data
+    assert runs[0]["epochs"] == 1 and runs[0]["learning_rate"] == 0.003
     assert json.loads((tmp_path / "scaling.json").read_text())["runs"] == runs
     assert (tmp_path / "scaling.png").stat().st_size > 0
     mtime = (tmp_path / "runs" / "eagle_200" / "metrics.jsonl").stat().st_mtime
@@ -58,8 +59,30 @@ def test_size_caps_apply_to_the_methods_run_and_unknown_methods_are_errors(tmp_p
     common = {"dataset": "d", "eval_dataset": "e", "recipes": str(tmp_path / "{method}_r.yaml"),
               "token_sizes": "10,20,30"}
     args = ScalingConfig(methods="eagle,medusa", max_tokens="medusa=20,eagle3=10", **common)
-    assert args.runs() == [("eagle", 10), ("medusa", 10), ("eagle", 20), ("medusa", 20), ("eagle", 30)]
-    assert ScalingConfig(methods="eagle", max_tokens="medusa=20", **common).runs() == [("eagle", 10), ("eagle", 20),
-                                                                                      ("eagle", 30)]
+    assert args.runs() == [("eagle", 10, 1), ("medusa", 10, 1), ("eagle", 20, 1), ("medusa", 20, 1), ("eagle", 30, 1)]
+    assert ScalingConfig(methods="eagle", max_tokens="medusa=20", **common).runs() == [
+        ("eagle", 10, 1), ("eagle", 20, 1), ("eagle", 30, 1)]
+    # a size x epochs grid: the further epochs only up to their size cap, each run in a directory of its own
+    grid = ScalingConfig(methods="eagle", more_epochs="2,4", more_epochs_max_tokens=20, **common)
+    assert grid.runs() == [("eagle", 10, 1), ("eagle", 10, 2), ("eagle", 10, 4), ("eagle", 20, 1), ("eagle", 20, 2),
+                           ("eagle", 20, 4), ("eagle", 30, 1)]
+    assert [grid.run_dir("eagle", 10, e).name for e in (1, 2)] == ["eagle_10", "eagle_10_e2"]
+    with pytest.raises(ValueError, match="--more_epochs"):
+        ScalingConfig(methods="eagle", more_epochs="two", **common)
+    with pytest.raises(ValueError, match="--more_epochs"):
+        ScalingConfig(methods="eagle", more_epochs="0", **common)
     with pytest.raises(ValueError, match="--max_tokens: expected METHOD=TOKENS"):
         ScalingConfig(methods="eagle", max_tokens="eagel=20", **common)
+
+
+def test_size_by_epochs_grid_trains_each_cell_with_its_own_schedule(stories_dataset, tmp_path):
+    recipe = tmp_path / "eagle_tiny.yaml"
+    recipe.write_text(f"method: eagle\nmodel: {STORIES260K}\nper_device_batch_size: 2\neval_depth: 2\n")
+    runs = main(["--dataset", str(stories_dataset), "--eval_dataset", str(stories_dataset), "--methods", "eagle",
+                 "--recipes", str(tmp_path / "{method}_tiny.yaml"), "--token_sizes", "200,400", "--eval_samples", "4",
+                 "--more_epochs", "2", "--more_epochs_max_tokens", "200", "--output_dir", str(tmp_path / "runs"),
+                 "--results_json", str(tmp_path / "grid.json"), "--plot", str(tmp_path / "grid.png")])
+    assert [(r["requested_tokens"], r["epochs"]) for r in runs] == [(200, 1), (200, 2), (400, 1)]
+    assert runs[1]["steps"] == 2 * runs[0]["steps"] and runs[1]["train_tokens"] == runs[0]["train_tokens"]
+    assert (tmp_path / "runs" / "eagle_200_e2" / "metrics.jsonl").is_file()
+    assert (tmp_path / "grid.png").stat().st_size > 0

@@ -59,3 +59,20 @@ def test_bf16_target_without_autocast_is_refused(main, train_args, tmp_path):
     with pytest.raises(ValueError, match="--target_dtype bfloat16"):
         main(train_args("eagle", tmp_path / "run", target_dtype="bfloat16", mixed_precision="no"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cpu_kind, expected", [("native", "bf16"), ("emulated", "no")])
+def test_mixed_precision_auto_follows_the_cpu_kind(main, train_args, tmp_path, monkeypatch, capsys, cpu_kind,
+                                                   expected):
+    """auto = bf16 autocast where the CPU runs bf16 natively, float32 where torch would emulate it; the run says
+    which, and a bf16 target (target_dtype auto) comes with the autocast."""
+    from training.train_heads import resolve_mixed_precision
+
+    monkeypatch.setenv("SPECHEADS_CPU_BF16", cpu_kind)
+    assert resolve_mixed_precision("auto") == expected
+    assert resolve_mixed_precision("no") == "no" and resolve_mixed_precision(None) is None
+    final = main(train_args("eagle3", tmp_path / "run", max_steps=2, mixed_precision="auto"))
+    assert final["eval/acceptance_length"] >= 1.0
+    err = capsys.readouterr().err
+    assert f"--mixed_precision auto: {expected}" in err
+    assert ("bfloat16" if expected == "bf16" else "float32") in err.split("target_")[1].splitlines()[0]
