@@ -27,6 +27,11 @@ nodes are point masses (Draft.point_mass), so rejection sampling stays lossless 
 were sampled from q; under greedy, the loop follows the target's argmax as for any tree. What the head accepted is
 measured on its own nodes only (its tree is closed under ancestors, so that is what it alone would have accepted);
 the head is fed the accepted path whichever source drafted it (its on_accept sees that path as a chain).
+
+The head's optimism is bounded as the guard's is (runtime.proposers.guard.Ledger), against the hybrid's own
+alternative: a step with the head is charged what the best step without it would have committed in the same time
+(its cost times that option's rate), and while the head's steps have lost more than the guard's budget, tau_h is
+read without its standard errors.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, root_only
-from runtime.proposers.guard import ProbeSchedule, RunningTau
+from runtime.proposers.guard import Ledger, ProbeSchedule, RunningTau
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -118,6 +123,7 @@ class HybridProposer:
         self.hidden_state_indices = head.hidden_state_indices
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
+        self.ledger = Ledger()
         self._costs_read: dict[tuple[int, int, bool], float] = {}
         self.lookup = LookupAcceptance()
         self.reset(None, None)
@@ -137,6 +143,8 @@ class HybridProposer:
         self._head_nodes = 0  # nodes of the last draft that came from the head (root included), 0 = it did not draft
         self.tau.reset()
         self.probes.paid()
+        self.ledger.reset()
+        self._alternative = 0.0  # what the best step without the head would have committed in the last step's time
         self.last_choice = ""
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
@@ -149,6 +157,14 @@ class HybridProposer:
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
              head_tau: float, probe: bool) -> tuple[int, int]:
         """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
+        options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau)
+        if probe:
+            options = {key: rate for key, rate in options.items() if key[1]}
+        return max(options, key=lambda key: (options[key], -key[0] - key[1]))
+
+    def options(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
+                head_tau: float) -> dict[tuple[int, int], float]:
+        """{(k, m): expected tokens per plain step's time} of the step's choices (the module docstring's table)."""
         plain_costs = [self._cost(q, kv_length, False) for q in range(1, match_length + 2)]
         k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
         lookup_tokens = expected_tokens(acceptance, k)
@@ -158,9 +174,7 @@ class HybridProposer:
             if k and self.trees:
                 both = lookup_tokens + (1 - acceptance[0]) * (head_tau - 1)
                 options[(k, head_tokens)] = both / self._cost(1 + k + head_tokens, kv_length, True) / HEAD_MARGIN
-        if probe:
-            options = {key: rate for key, rate in options.items() if key[1]}
-        return max(options, key=lambda key: (options[key], -key[0] - key[1]))
+        return options
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         self.lookup.learn(committed_ids)
@@ -172,12 +186,16 @@ class HybridProposer:
         if n:
             self.lookup.offered(n, candidate, committed_ids.numel())
         head_tokens = min(self.head_size, max_tokens)
-        k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic, False)
+        head_tau = self.tau.mean if self.ledger.losing else self.tau.optimistic
+        plan = (committed_ids.numel(), acceptance, candidate.numel(), head_tokens, head_tau)
+        k, m = self.plan(*plan, False)
         if m:
             self.probes.paid()
         elif head_tokens and not k and self.probes.due():  # a probe replaces a plain step, never a lookup draft
-            k, m = self.plan(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic,
-                             True)
+            k, m = self.plan(*plan, True)
+        if m:  # the best step without the head, committed in this step's time
+            without = max(rate for (_, m_), rate in self.options(*plan).items() if not m_)
+            self._alternative = without * self._cost(1 + k + m, committed_ids.numel(), True)
         k = min(k, max_tokens - m)
         self.last_choice = f"lookup {k} + head {m}"
         draft = self.head.propose(committed_ids, m) if m else root_only(committed_ids)
@@ -189,5 +207,7 @@ class HybridProposer:
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         self.head.on_accept(committed_ids, *path_view(draft, accepted_nodes, tree_hidden))
+        committed = len(accepted_nodes)
+        self.ledger.add(committed, self._alternative if self._head_nodes > 1 else committed)
         if self._head_nodes > 1:
             self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))

@@ -98,6 +98,33 @@ def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
     assert 0 in chains.plan(256, [0.7] * 6, 6, 4, 3.0, probe=False)
 
 
+def test_a_head_that_loses_to_the_lookup_alternative_stops_being_read_optimistically():
+    """The head's steps are charged what the best step without it would have committed in their time. A head whose
+    estimate is read with wide errors (confidence 5) drafts on at tau ~1.2 against a step of 1.35 plain steps
+    without the ledger; with it, once its steps have lost more than the budget, its estimate is read as it is and
+    plain steps (and probes) take over."""
+    def run(budget: float) -> tuple[list[bool], HybridProposer]:
+        head = _Fixed(Draft(tokens=torch.tensor([9, 4, 5, 6]), tree=Tree.chain(3)))
+        hybrid = HybridProposer(head, 3, 1.6, _costs(0.1), max_lookup=4)
+        hybrid.tau.confidence, hybrid.ledger.budget = 5.0, budget
+        prompt = torch.arange(1, 9)  # no repeated n-gram: lookup has nothing, each step is the head's or plain
+        hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
+        drafted = []
+        for step in range(60):
+            committed = torch.cat([prompt, torch.arange(100, 101 + step)])
+            draft = hybrid.propose(committed, 16)
+            drafted.append(draft.tree.num_nodes > 1)
+            accepted = [0, 1] if drafted[-1] and step % 4 == 0 else [0]
+            hybrid.on_accept(committed, draft, accepted, {-1: torch.zeros(draft.tree.num_nodes, 2)})
+        return drafted, hybrid
+
+    unbounded, _ = run(float("inf"))
+    assert all(unbounded)  # the optimism alone never rests this head
+    drafted, hybrid = run(0.03)
+    assert all(drafted[:20]) and sum(drafted[-20:]) <= 5
+    assert hybrid.ledger.cost - hybrid.ledger.tokens <= 0.03 * hybrid.ledger.tokens + 2 + 1.35
+
+
 def test_generate_cli_and_bad_flags(tmp_path, capsys, monkeypatch):
     from runtime.cli import main
     from runtime.config import GenerateArguments
