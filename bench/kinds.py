@@ -137,6 +137,7 @@ def method_row(kind: str, method: str, records: list[dict[str, Any]], fastest_pl
             "tau": sum(r["tau"] * r["steps"] for r in records) / steps if steps else 1.0,
             "speedup": ratio(method_tps, plain_tps),
             "speedup_median": statistics.median(speedups) if speedups else None,
+            "speedup_min": min(speedups) if speedups else None,
             "speedup_vs_fastest_plain": ratio(method_tps, fastest_plain) if fastest_plain else None,
             "identical_to_plain": None if None in identical else sum(identical),
             "identical_to_plain_share": None if None in identical else sum(identical) / len(records),
@@ -185,13 +186,14 @@ def aggregate(kind_dirs: dict[str, Path], methods: list[str] | None = None) -> d
 
 def markdown_table(summary: dict[str, Any]) -> str:
     """Rows kind x method, then `all`; and speed-up (tau) by kind, one column per method."""
-    columns = ["kind", "method", "prompts", "input tokens (median)", "tau", "speed-up", "median", "vs fastest plain",
+    columns = ["kind", "method", "prompts", "input tokens (median)", "tau", "speed-up", "median", "worst prompt",
+               "vs fastest plain",
                "=plain", "plain tok/s", "method tok/s"]
     rows = []
     for row in summary["rows"] + summary["overall"]:
         same = "-" if row["identical_to_plain"] is None else f"{row['identical_to_plain']}/{row['prompts']}"
         rows.append([row["kind"], row["method"], row["prompts"], f"{row['prompt_tokens_median']:g}",
-                     f"{row['tau']:.2f}", fmt(row["speedup"]), fmt(row["speedup_median"]),
+                     f"{row['tau']:.2f}", fmt(row["speedup"]), fmt(row["speedup_median"]), fmt(row.get("speedup_min")),
                      fmt(row["speedup_vs_fastest_plain"]), same, f"{row['plain_tokens_per_second']:.1f}",
                      f"{row['method_tokens_per_second']:.1f}"])
     methods = summary["methods"]

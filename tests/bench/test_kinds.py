@@ -45,6 +45,7 @@ def test_aggregate_two_kinds(tmp_path):
     assert first["identical_to_plain"] == 1 and first["identical_to_plain_share"] == 1.0
     assert first["speedup_vs_fastest_plain"] is None  # bench_heads records no plain layouts
     assert first["prompt_tokens_median"] == record["prompt_tokens"]
+    assert first["speedup_min"] == pytest.approx(record["speedup"])  # the worst prompt (one here)
     slow = rows["chat", "lookup3"]
     assert slow["speedup"] == pytest.approx(record["speedup"] / 2)
     assert slow["speedup_vs_fastest_plain"] == pytest.approx(record["method"]["tokens_per_second"] / 2 / 1000.0)
