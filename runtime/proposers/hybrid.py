@@ -28,10 +28,9 @@ were sampled from q; under greedy, the loop follows the target's argmax as for a
 measured on its own nodes only (its tree is closed under ancestors, so that is what it alone would have accepted);
 the head is fed the accepted path whichever source drafted it (its on_accept sees that path as a chain).
 
-The head's optimism is bounded as the guard's is (runtime.proposers.guard.Ledger), against the hybrid's own
-alternative: a step with the head is charged what the best step without it would have committed in the same time
-(its cost times that option's rate), and while the head's steps have lost more than the guard's budget, tau_h is
-read without its standard errors.
+The head's loss is capped as the guard's is (runtime.proposers.guard.Ledger), against the hybrid's own alternative:
+a step with the head is charged what the best step without it would have committed in the same time (its cost times
+that option's rate), and while the head's steps have lost more than the guard's budget, the head drafts only probes.
 """
 
 from __future__ import annotations
@@ -61,6 +60,11 @@ from runtime.tree import Tree
 # prompt lookup alone at the same tau (2.70): its head-only steps cost 2.5 ms of drafting for nothing.
 HEAD_MARGIN = 1.05
 KV_BUCKET = 16  # step costs are read at the KV length rounded down to a multiple of this
+
+
+def best_option(options: dict[tuple[int, int], float]) -> tuple[int, int]:
+    """The (k, m) with the highest rate; ties go to the smaller step."""
+    return max(options, key=lambda key: (options[key], -key[0] - key[1]))
 
 
 def merge_chain(head: Draft, chain: list[int]) -> tuple[Draft, int]:
@@ -158,9 +162,7 @@ class HybridProposer:
              head_tau: float, probe: bool) -> tuple[int, int]:
         """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
         options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau)
-        if probe:
-            options = {key: rate for key, rate in options.items() if key[1]}
-        return max(options, key=lambda key: (options[key], -key[0] - key[1]))
+        return best_option({key: rate for key, rate in options.items() if key[1]} if probe else options)
 
     def options(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
                 head_tau: float) -> dict[tuple[int, int], float]:
@@ -186,16 +188,15 @@ class HybridProposer:
         if n:
             self.lookup.offered(n, candidate, committed_ids.numel())
         head_tokens = min(self.head_size, max_tokens)
-        head_tau = self.tau.mean if self.ledger.losing else self.tau.optimistic
-        plan = (committed_ids.numel(), acceptance, candidate.numel(), head_tokens, head_tau)
-        k, m = self.plan(*plan, False)
+        options = self.options(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic)
+        without = {key: rate for key, rate in options.items() if not key[1]}
+        k, m = best_option(without if self.ledger.losing else options)  # over its loss budget the head rests
         if m:
             self.probes.paid()
         elif head_tokens and not k and self.probes.due():  # a probe replaces a plain step, never a lookup draft
-            k, m = self.plan(*plan, True)
+            k, m = best_option({key: rate for key, rate in options.items() if key[1]})
         if m:  # the best step without the head, committed in this step's time
-            without = max(rate for (_, m_), rate in self.options(*plan).items() if not m_)
-            self._alternative = without * self._cost(1 + k + m, committed_ids.numel(), True)
+            self._alternative = max(without.values()) * self._cost(1 + k + m, committed_ids.numel(), True)
         k = min(k, max_tokens - m)
         self.last_choice = f"lookup {k} + head {m}"
         draft = self.head.propose(committed_ids, m) if m else root_only(committed_ids)

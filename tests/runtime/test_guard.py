@@ -67,12 +67,15 @@ def test_the_estimate_starts_at_the_prior_and_follows_what_is_accepted():
 
 def test_a_rested_head_comes_back_when_its_drafts_start_to_land():
     """A long bad start rests the head; probes whose drafts are accepted bring the decayed estimate back over the
-    cost within a few probes, where a plain mean over the whole answer would need many more."""
+    cost within a few probes, where a plain mean over the whole answer would need many more (the estimate alone:
+    the ledger's loss cap is off here). With the cap, the head drafts again once the probes have won back the loss
+    over its budget."""
     committed = PROMPT.clone()
     chain = Draft(tokens=committed[-3:], tree=Tree.chain(2))
 
-    def probes_to_return(decay: float) -> int:
+    def probes_to_return(decay: float, budget: float = float("inf")) -> int:
         guard = PayingGuard(Autoregressive(), step_cost=1.3, expected_tau=1.4, prior_steps=8, decay=decay)
+        guard.ledger.budget = budget
         for _ in range(40):
             guard.on_accept(committed, chain, [0], None)  # nothing accepted
         assert not guard.pays()
@@ -82,7 +85,10 @@ def test_a_rested_head_comes_back_when_its_drafts_start_to_land():
             probes += 1
         return probes
 
-    assert probes_to_return(PayingGuard(Autoregressive(), 1.3, 1.4).decay) <= 3 < probes_to_return(1.0)
+    decay = PayingGuard(Autoregressive(), 1.3, 1.4).decay
+    assert probes_to_return(decay) <= 3 < probes_to_return(1.0)
+    # lost 40 x 0.3 = 12 steps; each landing probe wins back 3 - 1.3: the cap lifts once the loss is within budget
+    assert probes_to_return(decay, budget=0.03) == 6
 
 
 def test_rows_of_a_batch_each_get_their_own_guard_and_drafter_state():
