@@ -191,7 +191,9 @@ def series_label(row: dict[str, Any], config: ScalingConfig) -> str:
     if row["kind"] == "extra":
         return f"{row['method']} {Path(row['run_dir']).name}"
     several = len(config.epoch_list()) > 1
-    return f"{row['method']}, {row['epochs']:g} epochs" if several and row.get("epochs") else row["method"]
+    if not several or not row.get("epochs"):
+        return row["method"]
+    return f"{row['method']}, {row['epochs']:g} epoch{'' if row['epochs'] == 1 else 's'}"
 
 
 def plot(config: ScalingConfig, runs: list[dict[str, Any]]) -> None:
