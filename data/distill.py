@@ -58,11 +58,13 @@ from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_
 from data.engines import Answer, HFEngine, Sampling, ServerEngine, VllmEngine
 from data.prompts import Conversation, read_conversations
 from data.runfiles import check_run_identity, parse_config, process_state
-from data.shards import MANIFEST, merge_shards, shard_path, tokenizer_hash, write_shard
+from data.shards import MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.cli import run_cli
+from heads.files import atomic_write_json
 from heads.loading import describe_dtype, dtype_name, load_model, load_tokenizer, model_path, resolve_dtype
 
 ENGINES = ("hf", "vllm", "server")
+BUDGET_PREFIX = "budget-stop-"  # shards/budget-stop-<process>.json: the shards a process left for --max_minutes
 FORMAT_VERSION = 1
 
 
@@ -117,6 +119,11 @@ class DistillConfig:
     request_timeout: float = _help("server: seconds one request may take.", 600.0)
     max_retries: int = _help("server: retries of a failed request (connection error, HTTP 429/5xx), backoff "
                              "0.5 s doubling.", 3)
+    max_minutes: float = _help("Time budget of each process's generation, in minutes (0 = none): a shard is not "
+                               "started once the time so far plus the mean shard time would pass it (each process "
+                               "finishes at least one), so the job's length is bounded on any CPU. The dataset holds "
+                               "the finished shards, manifest.json's time_budget lists those left; such a run is "
+                               "complete.", 0.0)
 
     def __post_init__(self) -> None:
         if self.mode not in ("generate", "teacher_forced"):
@@ -148,6 +155,8 @@ class DistillConfig:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.max_minutes < 0:
+            raise ValueError(f"--max_minutes must be >= 0 (0 = no time budget), got {self.max_minutes}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
 
@@ -388,7 +397,18 @@ def run(config: DistillConfig) -> dict[str, Any]:
         "skipped_rows": len(skipped_rows),
         "skipped_row_details": [asdict(row) for row in skipped_rows[:1000]],
     }
-    manifest = merge_shards(output_dir, math.ceil(len(conversations) / config.shard_size), manifest)
+    num_shards = math.ceil(len(conversations) / config.shard_size)
+    left = shards_left_by_budget(output_dir)
+    if config.max_minutes:
+        manifest["time_budget"] = {"max_minutes": config.max_minutes, "shards": num_shards,
+                                   "shards_left": sorted(left),
+                                   "conversations_left": sum(len(conversations[s * config.shard_size:
+                                                                               (s + 1) * config.shard_size])
+                                                             for s in left)}
+    manifest = merge_shards(output_dir, num_shards, manifest, left=left)
+    if left:
+        print(f"{output_dir}: --max_minutes {config.max_minutes:g}: {len(left)} of {num_shards} shards left "
+              f"unanswered ({manifest['time_budget']['conversations_left']} conversations)")
     tokens = manifest["tokens"]
     print(f"{output_dir}: {manifest['conversations_written']} conversations, {tokens['total']} tokens "
           f"({tokens['loss']} learned), {manifest['conversations_skipped']} skipped, "
@@ -411,6 +431,7 @@ def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenize
     progress = tqdm(total=todo_turns, unit="turn", desc=f"distill[{state.process_index}]",
                     disable=not state.is_local_main_process, file=sys.stderr)
     started, generated = time.perf_counter(), [0]
+    shard_seconds: list[float] = []
 
     def on_batch(turns: int, tokens: int) -> None:
         generated[0] += tokens
@@ -418,7 +439,10 @@ def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenize
         progress.set_postfix(tok_s=f"{generated[0] / (time.perf_counter() - started):.1f}")
 
     try:
-        for shard in mine:
+        for position, shard in enumerate(mine):
+            if over_budget(config.max_minutes, time.perf_counter() - started, shard_seconds):
+                write_budget_stop(output_dir, state.process_index, mine[position:], config.max_minutes)
+                break
             first = shard * config.shard_size
             chunk = list(enumerate(conversations[first:first + config.shard_size], start=first))
             torch.manual_seed(config.seed + shard)
@@ -430,8 +454,29 @@ def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenize
                     "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
                                               for a in answered if a.skipped_reason is not None]}
             write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)
+            shard_seconds.append(meta["seconds"])
     finally:
         progress.close()  # ends the bar's line, so an error message starts on its own
+
+
+def over_budget(max_minutes: float, elapsed: float, shard_seconds: list[float]) -> bool:
+    """Whether the next shard would pass the time budget (0 = none): elapsed seconds plus the mean shard time so
+    far; never before one shard is done."""
+    if not max_minutes or not shard_seconds:
+        return False
+    return elapsed + sum(shard_seconds) / len(shard_seconds) > 60 * max_minutes
+
+
+def write_budget_stop(output_dir: Path, process_index: int, left: list[int], max_minutes: float) -> None:
+    """Record the shards this process leaves unanswered because of --max_minutes (read back by the merge)."""
+    atomic_write_json(output_dir / SHARDS / f"{BUDGET_PREFIX}{process_index}.json",
+                      {"max_minutes": max_minutes, "left": left})
+
+
+def shards_left_by_budget(output_dir: Path) -> set[int]:
+    """The shards any process left because of its time budget (none without one)."""
+    return {shard for path in sorted((output_dir / SHARDS).glob(f"{BUDGET_PREFIX}*.json"))
+            for shard in json.loads(path.read_text())["left"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

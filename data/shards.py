@@ -53,13 +53,16 @@ def write_shard(path: Path, columns: dict[str, list], meta: dict[str, Any]) -> N
         raise
 
 
-def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Concatenate the shards into one dataset saved in `output_dir`, write manifest.json last, drop shards."""
+def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any],
+                 left: set[int] = frozenset()) -> dict[str, Any]:
+    """Concatenate the shards (all but those `left` by a time budget) into one dataset saved in `output_dir`, write
+    manifest.json last, drop shards."""
     parts, skipped, seconds, unanswered = [], [], 0.0, 0
-    missing = [s for s in range(num_shards) if not (shard_path(output_dir, s) / "meta.json").is_file()]
+    present = [s for s in range(num_shards) if (shard_path(output_dir, s) / "meta.json").is_file()]
+    missing = sorted(set(range(num_shards)) - set(present) - set(left))
     if missing:
         raise ValueError(f"--output_dir {output_dir}: shards {missing} are missing; run again to resume")
-    for shard in range(num_shards):
+    for shard in present:
         path = shard_path(output_dir, shard)
         parts.append(datasets.load_from_disk(str(path / "data")))
         meta = json.loads((path / "meta.json").read_text())

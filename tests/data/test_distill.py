@@ -135,6 +135,31 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(reference, prompts, tmp
     assert generated == [2, 4]
 
 
+def test_time_budget_keeps_the_finished_shards(reference, prompts, tmp_path):
+    """--max_minutes: once the next shard would pass the budget no shard is started (the first always is); the
+    dataset holds the finished shards, equal to the same rows of an unbounded run, the manifest lists the rest, and
+    the directory is complete."""
+    output_dir = tmp_path / "out"
+    manifest = run(config(prompts, output_dir, max_minutes=1e-9))
+    assert manifest["time_budget"] == {"max_minutes": 1e-9, "shards": 3, "shards_left": [1, 2],
+                                       "conversations_left": 3}
+    budgeted, whole = rows(output_dir), rows(reference[0])
+    assert budgeted["index"] == [0, 1]
+    assert budgeted == {column: values[:2] for column, values in whole.items()}
+    assert not (output_dir / "shards").exists()
+    assert run(config(prompts, output_dir))["conversations_written"] == 2  # complete: nothing to do
+    assert "time_budget" not in reference[1]
+
+
+def test_over_budget_is_elapsed_plus_the_mean_shard():
+    assert not distill.over_budget(0, 1e9, [1.0])  # no budget
+    assert not distill.over_budget(1, 1e9, [])  # the first shard always runs
+    assert not distill.over_budget(1, 50.0, [8.0, 12.0])  # 50 + 10 = 60 s: fits a minute
+    assert distill.over_budget(1, 50.5, [8.0, 12.0])
+    with pytest.raises(ValueError, match="--max_minutes"):
+        config("p", "o", max_minutes=-1)
+
+
 def test_sampled_run_resumes_identically(prompts, tmp_path, monkeypatch):
     whole = tmp_path / "whole"
     run(config(prompts, whole, temperature=1.0, seed=3, max_prompts=4))
