@@ -328,6 +328,11 @@ class StepCosts:
         extra = self.draft(kv_length) if drafting and tokens > 1 else 0.0
         return max((self.verify_seconds(tokens, kv_length) + extra) / self.plain_seconds(kv_length), 1e-3)
 
+    def measured(self, tokens: int, kv_length: int, draft_seconds: float) -> float:
+        """A drafted step over `tokens` query tokens, in plain steps at `kv_length`: the modelled verify plus the
+        drafter's measured seconds in that step (what the guards' ledgers charge)."""
+        return self.relative(tokens, kv_length, drafting=False) + draft_seconds / self.plain_seconds(kv_length)
+
     def describe(self, tokens: int, drafting: bool = True) -> str:
         """'x1.21 at KV 256, x1.35 at KV 2048': the relative cost of a `tokens`-token step at each measured length."""
         return ", ".join(f"x{self.relative(tokens, kv, drafting):.2f} at KV {kv}" for kv in self.kv_lengths)

@@ -192,7 +192,8 @@ def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
     size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
     at the longer lengths of GUARD_KV_LENGTHS."""
     costs = measure_step_costs(target, size + 1, proposer, kv_length)
-    return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau), costs
+    return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau,
+                       charge=lambda kv_length, seconds: costs.measured(size + 1, kv_length, seconds)), costs
 
 
 def _shape_text(shape: dict[str, int]) -> str:

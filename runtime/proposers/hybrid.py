@@ -29,13 +29,15 @@ measured on its own nodes only (its tree is closed under ancestors, so that is w
 the head is fed the accepted path whichever source drafted it (its on_accept sees that path as a chain).
 
 The head's loss is capped as the guard's is (runtime.proposers.guard.Ledger), against the hybrid's own alternative:
-a step with the head is charged what the best step without it would have committed in the same time (its cost times
-that option's rate), and while the head's steps have lost more than the guard's budget, the head drafts only probes.
+a step with the head is charged what the best step without it would have committed in the same time (its modelled
+verify plus the head's measured propose and on_accept time, times that option's rate), and while the head's steps
+have lost more than the guard's budget, the head drafts only probes.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -149,6 +151,8 @@ class HybridProposer:
         self.probes.paid()
         self.ledger.reset()
         self._alternative = 0.0  # what the best step without the head would have committed in the last step's time
+        # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
+        self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
         self.last_choice = ""
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
@@ -180,7 +184,7 @@ class HybridProposer:
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         self.lookup.learn(committed_ids)
-        self._head_nodes = 0
+        self._head_nodes, self._kv_length = 0, committed_ids.numel()
         if max_tokens <= 0:
             return root_only(committed_ids)
         n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, min(max_tokens, self.max_lookup))
@@ -195,20 +199,26 @@ class HybridProposer:
             self.probes.paid()
         elif head_tokens and not k and self.probes.due():  # a probe replaces a plain step, never a lookup draft
             k, m = best_option({key: rate for key, rate in options.items() if key[1]})
-        if m:  # the best step without the head, committed in this step's time
-            self._alternative = max(without.values()) * self._cost(1 + k + m, committed_ids.numel(), True)
         k = min(k, max_tokens - m)
         self.last_choice = f"lookup {k} + head {m}"
+        started = time.perf_counter()
         draft = self.head.propose(committed_ids, m) if m else root_only(committed_ids)
+        self._head_seconds = time.perf_counter() - started
         self._head_nodes = draft.tree.num_nodes if m else 0
+        self._rate_without, self._step_tokens = max(without.values()), 1 + k + m
         if k:
             draft, _ = merge_chain(draft, candidate[:k].tolist())
         return draft
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        started = time.perf_counter()
         self.head.on_accept(committed_ids, *path_view(draft, accepted_nodes, tree_hidden))
+        self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
+        if self._head_nodes > 1:  # charged what the best step without the head commits in this step's real time
+            self._alternative = self._rate_without * self.costs.measured(self._step_tokens, self._kv_length,
+                                                                         self._head_seconds)
         self.ledger.add(committed, self._alternative if self._head_nodes > 1 else committed)
         if self._head_nodes > 1:
             self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))

@@ -4,6 +4,7 @@ greedy decoding's whatever it decides."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -219,3 +220,42 @@ def test_a_sequence_that_loses_stops_the_optimism():
     ledger = Ledger(budget=0.1, slack=1.0)
     ledger.add(10, 12.5)  # lost 2.5 steps: over 10% of 10 tokens + 1
     assert ledger.losing and not Ledger(budget=0.1, slack=1.0).losing
+
+
+class _SlowFirstDraft(_FixedChain):
+    """A 2-token chain whose first propose takes `first_seconds` (a head fed a long prompt on its first draft)."""
+
+    def __init__(self, draft: Draft, first_seconds: float):
+        super().__init__(draft)
+        self.first_seconds, self.calls = first_seconds, 0
+
+    def propose(self, committed_ids, max_tokens) -> Draft:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.first_seconds)
+        return self.draft
+
+
+def test_the_ledger_charges_the_drafters_measured_time():
+    """With `charge` (the factory's: modelled verify + the drafter's measured seconds over a plain step's), a first
+    draft that took 10 plain steps' time (feeding a long prompt) is on the ledger at once, so a head that then does
+    not accept rests at once; priced by the model alone (no charge), the prior keeps it drafting several steps."""
+    committed = PROMPT.clone()
+    chain = Draft(tokens=committed[-3:], tree=Tree.chain(2))
+    plain_seconds = 0.01
+
+    def run(guard: PayingGuard, steps: int = 12) -> list[bool]:
+        drafted = []
+        for _ in range(steps):
+            draft = guard.propose(committed, 3)
+            drafted.append(draft.tree.num_nodes > 1)
+            guard.on_accept(committed, draft, [0], None)  # never accepts
+        return drafted
+
+    charged = PayingGuard(_SlowFirstDraft(chain, 10 * plain_seconds), step_cost=1.1, expected_tau=2.0,
+                          charge=lambda kv_length, seconds: 1.1 + seconds / plain_seconds)
+    drafted = run(charged)
+    assert charged.ledger.cost >= 1.1 + 10 and charged.ledger.losing
+    assert drafted[0] and not any(drafted[1:PROBE_EVERY])  # rested from the second step until the first probe
+    modelled = PayingGuard(_SlowFirstDraft(chain, 10 * plain_seconds), step_cost=1.1, expected_tau=2.0)
+    assert sum(run(modelled)[:PROBE_EVERY]) > 2 and modelled.ledger.cost < 1.1 * 12
