@@ -39,10 +39,10 @@ LOSS_BUDGET of the tokens plus LOSS_SLACK steps the head rests whatever its esti
 modelled verify plus the drafter's MEASURED time in this step (`charge`, where the guard is given one): that time
 holds what the cost model leaves out, above all feeding the head the context it has not seen (an EAGLE layer over a
 1,000-token prompt on its first draft: 0.33 s of an 8.3 s answer, 4%, measured), and feeding it the tokens it
-missed while resting. So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps and its last drafted step. Why: the prior alone
-lets a head that never accepts draft until its estimate falls under the cost, which loses PRIOR_STEPS x (prior tau -
-cost) plain steps whatever the cost: measured on a 36-token translation (prior 1.5, a drafted step of 1.10 plain
-steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the optimistic reading drafted on through a whole chat
+missed while resting. So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps and its last
+drafted step. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
+which loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation
+(prior 1.5, a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the optimistic reading drafted on through a whole chat
 turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as the cost model predicted).
 """
 
@@ -232,9 +232,8 @@ class PayingGuard:
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         started = time.perf_counter()
         self.inner.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
+        self._draft_seconds += time.perf_counter() - started  # read only for a drafted step
         drafted = draft.tree.num_nodes > 1
-        if drafted:
-            self._draft_seconds += time.perf_counter() - started
         self.ledger.add(len(accepted_nodes), self.drafted_step_price() if drafted else 1.0)
         if drafted:
             self.tau.observe(len(accepted_nodes))

@@ -150,7 +150,6 @@ class HybridProposer:
         self.tau.reset()
         self.probes.paid()
         self.ledger.reset()
-        self._alternative = 0.0  # what the best step without the head would have committed in the last step's time
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
         self.last_choice = ""
@@ -217,8 +216,9 @@ class HybridProposer:
         self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
         if self._head_nodes > 1:  # charged what the best step without the head commits in this step's real time
-            self._alternative = self._rate_without * self.costs.measured(self._step_tokens, self._kv_length,
-                                                                         self._head_seconds)
-        self.ledger.add(committed, self._alternative if self._head_nodes > 1 else committed)
+            self.ledger.add(committed, self._rate_without * self.costs.measured(self._step_tokens, self._kv_length,
+                                                                                self._head_seconds))
+        else:
+            self.ledger.add(committed, committed)
         if self._head_nodes > 1:
             self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))
