@@ -40,7 +40,7 @@ class LeanOutput:
     [i] output of layer i - 1, [-1] the final norm's output; entries not asked for are None)."""
 
     logits: torch.Tensor
-    hidden_states: list[torch.Tensor | None]
+    hidden_states: list[torch.Tensor | None] | dict[int, torch.Tensor]  # a dict from HiddenCapture
 
 
 def lean_unavailable(model: nn.Module) -> str:

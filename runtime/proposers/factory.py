@@ -190,10 +190,11 @@ def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
             kv_length: int = GUARD_KV_LENGTHS[0]) -> tuple[PayingGuard, StepCosts]:
     """`proposer` under a PayingGuard whose break-even is its step's cost at the sequence's KV length (verify over
     size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
-    at the longer lengths of GUARD_KV_LENGTHS."""
+    at the longer lengths of GUARD_KV_LENGTHS; the guard times this sequence's steps against that model
+    (runtime.proposers.guard.StepClock)."""
     costs = measure_step_costs(target, size + 1, proposer, kv_length)
     return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau,
-                       charge=lambda kv_length, seconds: costs.measured(size + 1, kv_length, seconds)), costs
+                       timed=costs, verify_tokens=size + 1), costs
 
 
 def _shape_text(shape: dict[str, int]) -> str:

@@ -32,18 +32,30 @@ cost measured at 256 and lost down to 0.71x. And a head that keeps failing its p
 often: each failed probe doubles the interval (4, 8, ... up to MAX_PROBE_EVERY steps), a paying estimate resets it,
 so a head that never accepts costs a few percent, not a probe step in every four.
 
+The break-even is also measured (`timed`, the factory's guards): the model's step costs are measured once, on a
+random context, and a real step pays what they leave out (the drafter fed each newly committed token, its
+on_accept, a verify forward that costs more here than when the curve was cached). So every step is timed, from the
+guard's propose to its on_accept (StepClock): the drafter's own seconds and the rest of a drafted step, and plain
+steps, each over what the model says at that KV length; the break-even is the drafted step's time here over a plain
+step's here. Measured on an AVX2-only VM: the model said x1.02 for an EAGLE step of one token at KV 256 (its
+propose 1 ms on a warm context) while steps drafted 3-5 ms; a head that never accepted drafted 62 of 128 steps of
+a translation at 0.88x (before).
+
 The loss has a cap: a ledger of this sequence's steps (tokens committed, and their cost in plain steps: a drafted
 step at its step cost, a plain one at 1) says how much drafting has lost so far, and while that loss is over
 LOSS_BUDGET of the tokens plus LOSS_SLACK steps the head rests whatever its estimate says, drafting only the probes
-(a probe that pays wins the loss back; plain steps raise the cap as the answer grows). A drafted step is charged its
-modelled verify plus the drafter's MEASURED time in this step (`charge`, where the guard is given one): that time
-holds what the cost model leaves out, above all feeding the head the context it has not seen (an EAGLE layer over a
-1,000-token prompt on its first draft: 0.33 s of an 8.3 s answer, 4%, measured), and feeding it the tokens it
-missed while resting. So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps and its last
-drafted step. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
+(a probe that pays wins the loss back; plain steps raise the cap as the answer grows). A timed guard charges a
+drafted step its measured time over this sequence's measured plain step; an untimed one its modelled verify plus
+the drafter's MEASURED time in this step (`charge`, where it is given one), else the step cost. The sequence's
+first draft is charged the step cost alone: it also fed the head the whole prompt (an EAGLE layer over a
+1,000-token prompt: 0.2-0.33 s, 2-4% of the answer), the one-off price of trying the head that the planner chose
+to pay, and resting would not win it back (charged, even a head that pays would rest after it until probes
+had won the loss back). So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps, its last
+drafted step and its first draft's prompt feed. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
 which loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation
-(prior 1.5, a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the optimistic reading drafted on through a whole chat
-turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as the cost model predicted).
+(prior 1.5, a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the
+optimistic reading drafted on through a whole chat turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as
+the cost model predicted).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ from collections.abc import Callable
 
 import torch
 
+from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, root_only
 
 PRIOR_STEPS = 4  # was 8: a head that never accepts drafted 10 steps at a loss before resting, now 7
@@ -61,8 +74,66 @@ DECAY = 15 / 16
 PROBE_EVERY = 4
 MAX_PROBE_EVERY = 64
 CONFIDENCE = 1.0
-LOSS_BUDGET = 0.03  # the share of its tokens a sequence may lose to drafting before the head rests but for probes
+LOSS_BUDGET = 0.015  # (was 0.03: a never-accepting head re-drafted every ~30 tokens, 2-5% lost) the share of its tokens a sequence may lose to drafting before the head rests but for probes
 LOSS_SLACK = 0.5  # plain steps of loss always allowed (early misses of a head that pays)
+CLOCK_PRIOR_STEPS = 2  # the cost model's word on a step's time weighs this many measured steps
+
+
+class StepClock:
+    """This sequence's measured steps against the cost model (runtime.cost_model.StepCosts) at each step's KV length,
+    so that the guard's break-even is what its steps really take here.
+
+    A drafted step is split into the drafter's own measured time (propose + on_accept) and the rest (verify,
+    acceptance, commit); a plain step is all "rest". Three decayed means of measured over modelled: the drafter's
+    time over the modelled draft time, a drafted step's rest over the modelled verify of `tokens` tokens, a plain
+    step over the modelled plain step. Each starts from a prior worth `prior_steps` steps: 1 (the model is right)
+    for the first two, the verify ratio's current value for the plain one (the machine as a whole may be slower
+    or faster than when the curves were measured; only plain steps timed beside drafted ones tell the two apart).
+    So a drafter slower than it was measured shows at its next step, a verify dearer than modelled once the
+    sequence has run plain steps too (resting, between probes)."""
+
+    def __init__(self, costs: StepCosts, tokens: int, prior_steps: int = CLOCK_PRIOR_STEPS, decay: float = DECAY):
+        self.costs, self.tokens, self.prior_steps, self.decay = costs, tokens, prior_steps, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums = {"draft": [0.0, 0.0], "verify": [0.0, 0.0], "plain": [0.0, 0.0]}  # decayed ratio sum, weight
+
+    def _observe(self, name: str, measured: float, modelled: float) -> None:
+        sums = self._sums[name]
+        sums[0] = self.decay * sums[0] + measured / modelled
+        sums[1] = self.decay * sums[1] + 1.0
+
+    def _mean(self, name: str, prior: float) -> float:
+        total, weight = self._sums[name]
+        return (self.prior_steps * prior + total) / (self.prior_steps + weight)
+
+    def observe_plain(self, kv_length: int, seconds: float) -> None:
+        self._observe("plain", seconds, self.costs.plain_seconds(kv_length))
+
+    def observe_drafted(self, kv_length: int, seconds: float, draft_seconds: float) -> None:
+        modelled_draft = self.costs.draft(kv_length)
+        if modelled_draft > 0:
+            self._observe("draft", draft_seconds, modelled_draft)
+        self._observe("verify", max(seconds - draft_seconds, 0.0), self.costs.verify_seconds(self.tokens, kv_length))
+
+    @property
+    def verify_ratio(self) -> float:
+        return self._mean("verify", 1.0)
+
+    @property
+    def plain_ratio(self) -> float:
+        return self._mean("plain", self.verify_ratio)
+
+    def plain_seconds(self, kv_length: int) -> float:
+        """A plain step's time here at this KV length."""
+        return self.plain_ratio * self.costs.plain_seconds(kv_length)
+
+    def step_cost(self, kv_length: int) -> float:
+        """A drafted step's time here over a plain step's, at this KV length."""
+        drafted = (self.verify_ratio * self.costs.verify_seconds(self.tokens, kv_length)
+                   + self._mean("draft", 1.0) * self.costs.draft(kv_length))
+        return drafted / self.plain_seconds(kv_length)
 
 
 class Ledger:
@@ -148,7 +219,9 @@ class PayingGuard:
     def __init__(self, inner: Proposer, step_cost: float | Callable[[int], float], expected_tau: float,
                  prior_steps: int = PRIOR_STEPS, probe_every: int = PROBE_EVERY, decay: float = DECAY,
                  confidence: float = CONFIDENCE, max_probe_every: int = MAX_PROBE_EVERY,
-                 charge: Callable[[int, float], float] | None = None):
+                 charge: Callable[[int, float], float] | None = None,
+                 timed: StepCosts | None = None, verify_tokens: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
         cost = step_cost if callable(step_cost) else (lambda kv_length, c=float(step_cost): c)
         if cost(1) <= 0:
             raise ValueError(f"guard: need step_cost > 0, got {cost(1)}")
@@ -157,7 +230,12 @@ class PayingGuard:
         self.cost, self.expected_tau = cost, expected_tau
         # the ledger's price of a drafted step from (KV length, the drafter's measured seconds in it); None: step_cost
         self.charge = charge
-        self._draft_seconds = 0.0
+        # with the cost model (`timed`, its steps verifying `verify_tokens` tokens) every step is timed against it
+        # (StepClock) and the break-even and the ledger use the steps' measured times; None: step_cost alone
+        self.timed, self.verify_tokens = timed, verify_tokens
+        self.clock = StepClock(timed, verify_tokens, decay=decay) if timed is not None else None
+        self.now = clock  # seconds (tests pass their own)
+        self._draft_seconds, self._step_started, self._drafted_before = 0.0, 0.0, False
         self.tau = RunningTau(expected_tau, prior_steps, decay, confidence)
         self.probes = ProbeSchedule(probe_every, max_probe_every)
         self.ledger = Ledger()
@@ -165,16 +243,23 @@ class PayingGuard:
 
     def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
         return PayingGuard(copy.copy(self.inner), self.cost, self.expected_tau, self.tau.prior_steps,
-                           self.probes.first, self.tau.decay, self.tau.confidence, self.probes.longest, self.charge)
+                           self.probes.first, self.tau.decay, self.tau.confidence, self.probes.longest, self.charge,
+                           self.timed, self.verify_tokens, self.now)
 
     @property
     def decay(self) -> float:
         return self.tau.decay
 
     @property
-    def step_cost(self) -> float:
-        """A drafted step's cost over a plain step's at the KV length this sequence has reached."""
+    def modelled_step_cost(self) -> float:
+        """The cost model's drafted step over its plain step at the KV length this sequence has reached."""
         return self.cost(self._kv_length)
+
+    @property
+    def step_cost(self) -> float:
+        """A drafted step's cost over a plain step's at the KV length this sequence has reached: the model's,
+        corrected by this sequence's measured steps where they are timed."""
+        return self.modelled_step_cost if self.clock is None else self.clock.step_cost(self._kv_length)
 
     @property
     def probe_interval(self) -> int:
@@ -206,9 +291,12 @@ class PayingGuard:
         self.tau.reset()
         self.probes.paid()
         self.ledger.reset()
-        self._kv_length = 0
+        if self.clock is not None:
+            self.clock.reset()
+        self._kv_length, self._drafted_before = 0, False
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
+        self._step_started = self.now()
         self._kv_length = committed_ids.numel()
         self._draft_seconds = 0.0
         if max_tokens > 0 and self.pays():
@@ -219,23 +307,43 @@ class PayingGuard:
         return root_only(committed_ids)
 
     def _timed_propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
-        started = time.perf_counter()
+        started = self.now()
         draft = self.inner.propose(committed_ids, max_tokens)
-        self._draft_seconds = time.perf_counter() - started
+        self._draft_seconds = self.now() - started
         return draft
 
-    def drafted_step_price(self) -> float:
-        """What the ledger charges the step just drafted, in plain steps."""
+    def drafted_step_price(self, step_seconds: float) -> float:
+        """What the ledger charges the step just drafted, in plain steps. Timed (`timed` given): its
+        measured time over a plain step's measured here, but for the sequence's first draft, charged the step
+        cost: it also fed the drafter the whole prompt, the one-off price of trying the head at all (the planner's
+        decision), which resting would not win back. Untimed: the modelled verify plus the drafter's measured time
+        (`charge`), else the step cost."""
+        if self.clock is not None:
+            if not self._drafted_before:
+                return self.step_cost
+            return step_seconds / self.clock.plain_seconds(self._kv_length)
         return self.step_cost if self.charge is None else self.charge(self._kv_length, self._draft_seconds)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
-        started = time.perf_counter()
+        started = self.now()
         self.inner.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
-        self._draft_seconds += time.perf_counter() - started  # read only for a drafted step
+        ended = self.now()
+        self._draft_seconds += ended - started  # read only for a drafted step
         drafted = draft.tree.num_nodes > 1
-        self.ledger.add(len(accepted_nodes), self.drafted_step_price() if drafted else 1.0)
+        step_seconds = ended - self._step_started
+        self.ledger.add(len(accepted_nodes), self.drafted_step_price(step_seconds) if drafted else 1.0)
+        if self.clock is not None:
+            self._time_step(drafted, step_seconds)
         if drafted:
             self.tau.observe(len(accepted_nodes))
             if self.pays() or len(accepted_nodes) >= self.step_cost:  # a probe that landed calls the next one soon
                 self.probes.paid()
+
+    def _time_step(self, drafted: bool, seconds: float) -> None:
+        """Add the step to the clock; the sequence's first draft is left out (it fed the drafter the prompt)."""
+        if not drafted:
+            self.clock.observe_plain(self._kv_length, seconds)
+        elif self._drafted_before:
+            self.clock.observe_drafted(self._kv_length, seconds, self._draft_seconds)
+        self._drafted_before = self._drafted_before or drafted

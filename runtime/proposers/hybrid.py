@@ -43,7 +43,7 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, root_only
-from runtime.proposers.guard import Ledger, ProbeSchedule, RunningTau
+from runtime.proposers.guard import CLOCK_PRIOR_STEPS, DECAY, Ledger, ProbeSchedule, RunningTau
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -152,14 +152,36 @@ class HybridProposer:
         self.ledger.reset()
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
+        self._draft_sums, self._head_drafted_before = [0.0, 0.0], False  # StepClock's draft mean, for the head
         self.last_choice = ""
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
-        """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them)."""
+        """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them), the head's draft time
+        (drafting) scaled by what it measured in this sequence."""
         key = (tokens, kv_length // KV_BUCKET, drafting)
         if key not in self._costs_read:
-            self._costs_read[key] = self.costs.relative(tokens, key[1] * KV_BUCKET, drafting)
-        return self._costs_read[key]
+            kv = key[1] * KV_BUCKET
+            self._costs_read[key] = self.costs.relative(tokens, kv, False)
+            if drafting:
+                self._costs_read[(0, key[1], True)] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
+        cost = self._costs_read[key]
+        return cost + self.draft_ratio * self._costs_read[(0, key[1], True)] if drafting else cost
+
+    @property
+    def draft_ratio(self) -> float:
+        """The head's measured time per head step over its modelled draft time: a decayed mean (weight DECAY per
+        step) over this sequence's head steps but its first (which fed the head the prompt), from a prior of 1
+        worth CLOCK_PRIOR_STEPS steps. Head steps after lookup or plain steps are in it: they feed the head the
+        tokens it missed, a cost of every such step."""
+        total, weight = self._draft_sums
+        return (CLOCK_PRIOR_STEPS + total) / (CLOCK_PRIOR_STEPS + weight)
+
+    def _time_head(self, kv_length: int) -> None:
+        modelled = self.costs.draft(kv_length)
+        if self._head_drafted_before and modelled > 0:
+            self._draft_sums = [DECAY * self._draft_sums[0] + self._head_seconds / modelled,
+                                DECAY * self._draft_sums[1] + 1.0]
+        self._head_drafted_before = True
 
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
              head_tau: float, probe: bool) -> tuple[int, int]:
@@ -216,9 +238,13 @@ class HybridProposer:
         self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
         if self._head_nodes > 1:  # charged what the best step without the head commits in this step's real time
+            # (the sequence's first head step at the head's modelled time: it also fed the head the prompt, the
+            # one-off price of trying it, which resting would not win back)
+            seconds = self._head_seconds if self._head_drafted_before else self.costs.draft(self._kv_length)
             self.ledger.add(committed, self._rate_without * self.costs.measured(self._step_tokens, self._kv_length,
-                                                                                self._head_seconds))
+                                                                                seconds))
         else:
             self.ledger.add(committed, committed)
         if self._head_nodes > 1:
+            self._time_head(self._kv_length)
             self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))

@@ -5,7 +5,7 @@ import torch
 
 from runtime.target import TargetModel, attention_windows
 from runtime.tree import Tree
-from tests.tiny_models import tiny_config, tiny_model
+from tests.tiny_models import ARCHITECTURES, ATTENTION, tiny_config, tiny_model
 
 
 def test_empty_prompt():
@@ -67,6 +67,28 @@ def test_prefill_hidden_states_and_positions_past_context():
     torch.testing.assert_close(out.hidden[2], ref.hidden_states[2][0], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="beyond the context"):
         target.forward(torch.randint(3, 256, (7,)), Tree.chain(6))  # positions 10..16
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_hidden_states_caught_by_hooks_equal_output_hidden_states(arch):
+    """Hidden states come from hooks on the layers they name (output_hidden_states costs every step); they must be
+    transformers' own, bit for bit, on a prefill and on a tree forward after it."""
+    model = tiny_model(arch, attn=ATTENTION.get(arch))
+    target = TargetModel(model)
+    indices = (0, 1, target.num_layers, -1)
+    prompt = torch.randint(3, 256, (9,))
+    tree = Tree.from_parents([-1, 0, 0, 1])
+    out = target.prefill(prompt, hidden_state_indices=indices)
+    assert target._capture.checked.get(indices) is True
+    step = torch.randint(3, 256, (tree.num_nodes,))
+    tree_out = target.forward(step, tree, hidden_state_indices=indices)
+    reference = TargetModel(model)
+    reference._capture.modules = None  # transformers' output_hidden_states only
+    ref = reference.prefill(prompt, hidden_state_indices=indices)
+    ref_tree = reference.forward(step, tree, hidden_state_indices=indices)
+    for i in indices:
+        assert torch.equal(out.hidden[i], ref.hidden[i]) and torch.equal(tree_out.hidden[i], ref_tree.hidden[i])
+    assert torch.equal(tree_out.logits, ref_tree.logits)
 
 
 def test_eos_ids_from_generation_config():
