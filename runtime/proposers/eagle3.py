@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from heads.eagle import Eagle3Draft
-from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
+from runtime.proposers.eagle import PROMPT_WINDOW, DynamicTreeConfig, EagleProposer
 from runtime.sampling import SamplingConfig
 from runtime.tree_search import StaticTree
 
@@ -23,8 +23,9 @@ class Eagle3Proposer(EagleProposer):
 
     def __init__(self, heads: Eagle3Draft, target_model: torch.nn.Module, tree: StaticTree | None = None,
                  dynamic: DynamicTreeConfig | None = None, sampling: SamplingConfig | None = None,
-                 seed: int | None = None):
-        super().__init__(heads, target_model, tree=tree, dynamic=dynamic, sampling=sampling, seed=seed)
+                 seed: int | None = None, prompt_window: int | None = PROMPT_WINDOW):
+        super().__init__(heads, target_model, tree=tree, dynamic=dynamic, sampling=sampling, seed=seed,
+                         prompt_window=prompt_window)
 
     def features(self, hidden: dict[int, Tensor]) -> Tensor:
         """{index: [n, H]} for the three target layers -> projected features [n, H]."""

@@ -162,9 +162,11 @@ def test_greedy_identical_stories260k_random_heads(name):
 
 # ------------------------------------------------------------------------- incremental == from scratch
 
-def _scratch_logits(name: str, proposer, model, committed: torch.Tensor, path: list[int]) -> torch.Tensor:
+def _scratch_logits(name: str, proposer, model, committed: torch.Tensor, path: list[int], first: int = 0
+                    ) -> torch.Tensor:
     """Draft logits (target vocab; draft vocab for EAGLE-3) for the child of the node reached by `path` (root
-    excluded), recomputed with no cache at all: target features of committed[:-1], then the path's entries."""
+    excluded), recomputed with no cache at all: target features of committed[first:-1] (EAGLE: entries before
+    `first` are outside the draft's prompt window), then the path's entries."""
     heads, emb, lm_head = proposer.heads, model.get_input_embeddings(), model.get_output_embeddings()
     hs = model(committed[None], output_hidden_states=True).hidden_states
     t = committed.numel() - 1  # root position
@@ -176,22 +178,27 @@ def _scratch_logits(name: str, proposer, model, committed: torch.Tensor, path: l
                       position_ids=torch.arange(t)[None]).hidden_states[0]
         return heads.compute_logits(h[-1], depth=len(path), lm_head=lm_head)
     if name == "eagle3":
-        feats = heads.project([hs[i][0, :t] for i in heads.config.target_layers])
+        feats = heads.project([hs[i][0, first:t] for i in heads.config.target_layers])
     else:
-        feats = hs[-1][0, :t]
-    out = heads(feats[None], ids[1: t + 1][None], embed_tokens=emb, position_ids=torch.arange(t)[None]).hidden_states[0]
+        feats = hs[-1][0, first:t]
+    out = heads(feats[None], ids[first + 1: t + 1][None], embed_tokens=emb,
+                position_ids=torch.arange(first, t)[None]).hidden_states[0]
     for j in range(len(path)):  # entry (previous entry's output, path[j]) at position t + j
         feats = torch.cat([feats, out[-1:]])
-        out = heads(feats[None], ids[1: t + 2 + j][None], embed_tokens=emb,
-                    position_ids=torch.arange(t + 1 + j)[None]).hidden_states[0]
+        out = heads(feats[None], ids[first + 1: t + 2 + j][None], embed_tokens=emb,
+                    position_ids=torch.arange(first, t + 1 + j)[None]).hidden_states[0]
     return heads.compute_logits(out[-1]) if name == "eagle3" else heads.compute_logits(out[-1], lm_head)
 
 
-@pytest.mark.parametrize("name", ["eagle1", "eagle2", "eagle3", "mtp"])
-def test_incremental_draft_equals_scratch(name, monkeypatch):
-    """Every logits row the proposer drafted from equals a no-cache recomputation (fp64, 1e-9)."""
+@pytest.mark.parametrize("name,window", [("eagle1", None), ("eagle2", None), ("eagle3", None), ("mtp", None),
+                                         ("eagle2", 4), ("eagle3", 4)])
+def test_incremental_draft_equals_scratch(name, window, monkeypatch):
+    """Every logits row the proposer drafted from equals a no-cache recomputation (fp64, 1e-9); with a prompt
+    window of 4 (EAGLE), a recomputation over the prompt's last 4 entries at their true positions and all after."""
     model = tiny_model("llama", dtype=torch.float64)
     proposer = make_proposer(name, model, seed=4)
+    if window is not None:
+        proposer.prompt_window = window
     prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(2))
     tokens, _ = run_loop(model, proposer, prompt, 15)  # leaves the proposer's state after several steps
     committed = torch.cat([prompt, tokens])
@@ -229,7 +236,8 @@ def test_incremental_draft_equals_scratch(name, monkeypatch):
         for path, row in rows:
             if name == "mtp":  # the row of depth d is for the child of the chain node at depth d
                 path = draft.tokens[1: path + 1].tolist()
-            expected = _scratch_logits(name, proposer, model, committed, path).float()
+            first = 0 if window is None else prompt.numel() - window
+            expected = _scratch_logits(name, proposer, model, committed, path, first).float()
             torch.testing.assert_close(row.float().flatten(), expected.flatten(), rtol=1e-9, atol=1e-9)
 
 
