@@ -171,12 +171,10 @@ class Attention(nn.Module):
                              f"{length} new), got {list(attention_mask.shape)}")
         elif attention_mask.dtype == torch.bool:
             raise ValueError("attention_mask: pass an additive float mask (0 / finfo.min), not a bool mask")
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        # grouped-query heads read their KV head in the kernel (no repeated copy of the whole cache per call)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(q.dtype),
-                                             scale=self.head_dim ** -0.5)
+                                             scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
 

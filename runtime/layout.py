@@ -252,13 +252,17 @@ def _add_panels(model: nn.Module, rounded: bool) -> None:
 
 
 def match_panels(drafter: nn.Module, target_model: nn.Module) -> None:
-    """Give a drafter's own Linear layers (heads, a reduced LM head) the panels of the target it drafts for, same kind
-    (`+panels` or `+panels_bf16`), so its few-row products run on the same kernel: measured on SmolLM2-135M's long
-    EAGLE-3 head, float32, one thread, a 1-token draft 2.4 -> 1.4 ms and a 3-token tree 13.5 -> 8.3 ms. Nothing when
-    the target has no panels; a layer that already has them (one shared with the target) is left as it is."""
+    """Give a drafter's own Linear layers (heads, a reduced LM head) panels where the target it drafts for has them,
+    so its few-row products run on the same kernel: measured on SmolLM2-135M's long EAGLE-3 head, float32, one
+    thread, a 1-token draft 2.4 -> 1.4 ms and a 3-token tree 13.5 -> 8.3 ms. A float32 drafter's panels are rounded
+    to bfloat16 whatever the target's (`+panels_bf16`): a draft only proposes tokens that the target then verifies,
+    so the output is the same, and a 1-token draft, bound by reading its weights (an EAGLE layer and an 8,192-row LM
+    head: ~35 MB in float32), reads half the bytes. Nothing when the target has no panels; a layer that already has
+    them (one shared with the target) is left as it is."""
     panels = parse_layout(layout_of(target_model))[2]
-    if panels and linear_modules(drafter) and not panels_unavailable(drafter):
-        _add_panels(drafter, rounded=panels == "panels_bf16")
+    weights = linear_weights(drafter)
+    if panels and weights and not panels_unavailable(drafter):
+        _add_panels(drafter, rounded=weights[0].dtype == torch.float32)
 
 
 @torch.no_grad()
