@@ -51,7 +51,6 @@ from runtime.proposers.tree_drafting import (
 from runtime.sampling import SamplingConfig
 from runtime.tree_search import StaticTree
 
-
 PROMPT_WINDOW = 256  # prompt entries the draft layer is fed (the last ones); None: the whole prompt
 
 
