@@ -130,7 +130,7 @@ class HybridProposer:
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
         self.ledger = Ledger()
-        self._costs_read: dict[tuple[int, int, bool], float] = {}
+        self._costs_read: dict[tuple[int, int], float] = {}  # (tokens, KV bucket) -> relative cost
         self.lookup = LookupAcceptance()
         self.reset(None, None)
 
@@ -158,14 +158,15 @@ class HybridProposer:
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
         """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them), the head's draft time
         (drafting) scaled by what it measured in this sequence."""
-        key = (tokens, kv_length // KV_BUCKET, drafting)
-        if key not in self._costs_read:
-            kv = key[1] * KV_BUCKET
-            self._costs_read[key] = self.costs.relative(tokens, kv, False)
-            if drafting:
-                self._costs_read[(0, key[1], True)] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
-        cost = self._costs_read[key]
-        return cost + self.draft_ratio * self._costs_read[(0, key[1], True)] if drafting else cost
+        bucket = kv_length // KV_BUCKET
+        kv = bucket * KV_BUCKET
+        if (tokens, bucket) not in self._costs_read:
+            self._costs_read[(tokens, bucket)] = self.costs.relative(tokens, kv, False)
+        if not drafting:
+            return self._costs_read[(tokens, bucket)]
+        if (0, bucket) not in self._costs_read:  # 0 tokens: the head's modelled draft time over a plain step
+            self._costs_read[(0, bucket)] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
+        return self._costs_read[(tokens, bucket)] + self.draft_ratio * self._costs_read[(0, bucket)]
 
     @property
     def draft_ratio(self) -> float:
