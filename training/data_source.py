@@ -99,7 +99,7 @@ def load_rows(config: TrainConfig, held_out: bool = False) -> Any:
 def load_training_data(config: TrainConfig, target: nn.Module) -> TrainingData:
     """Load --dataset (checking its manifest against --model) and, with --features, the shard reader."""
     rows = load_rows(config)
-    features = offline_features(config, len(rows)) if config.features else None
+    features = offline_features(config, rows) if config.features else None
     return TrainingData(rows, features, pad_token_id(target))
 
 
@@ -114,16 +114,21 @@ class OfflineFeatures:
         return {feature_name(layer): tensor for layer, tensor in self.shards[row].items()}
 
 
-def offline_features(config: TrainConfig, num_rows: int, held_out: bool = False) -> OfflineFeatures:
+def offline_features(config: TrainConfig, rows: Any, held_out: bool = False) -> OfflineFeatures:
     """Open --features (--eval_features when held_out) and check it was computed by --model on --dataset
-    (--eval_dataset), all rows."""
+    (--eval_dataset; `rows`, its loaded Dataset), all rows. The dataset is recognised by the path the features
+    recorded or by its content fingerprint (recorded too), so a dataset and its features moved or copied together
+    still match."""
     flag, dataset_flag = ("--eval_features", "--eval_dataset") if held_out else ("--features", "--dataset")
     directory, dataset = (config.eval_features, config.eval_dataset) if held_out else (config.features, config.dataset)
     shards = HiddenStateShards(directory)
     index = shards.index
-    if Path(index["dataset"]).resolve() != Path(dataset).resolve() or len(shards) != num_rows:
+    fingerprint = getattr(rows, "_fingerprint", None)
+    same_dataset = Path(index["dataset"]).resolve() == Path(dataset).resolve() or (
+        fingerprint is not None and index.get("dataset_fingerprint") == fingerprint)
+    if not same_dataset or len(shards) != len(rows):
         raise ValueError(f"{flag} {directory} holds {len(shards)} samples of {index['dataset']!r}, "
-                         f"not the {num_rows} rows of {dataset_flag} {dataset}")
+                         f"not the {len(rows)} rows of {dataset_flag} {dataset}")
     if not same_model(index["model"], None, config.model):
         raise ValueError(f"{flag} {directory} were computed by {index['model']!r}, not by --model "
                          f"{config.model!r}")

@@ -108,7 +108,7 @@ def held_out(config: TrainConfig, data: TrainingData, counts: list[int]) -> tupl
     """
     if config.eval_dataset:
         rows = load_rows(config, held_out=True)
-        features = offline_features(config, len(rows), held_out=True) if config.eval_features else None
+        features = offline_features(config, rows, held_out=True) if config.eval_features else None
         eval_data = TrainingData(rows, features, data.pad_token_id)
         train_rows = list(range(len(data.rows)))
         eval_rows = list(range(min(config.eval_samples, len(eval_data.rows))))

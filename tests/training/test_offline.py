@@ -68,3 +68,26 @@ def test_held_out_features_give_the_same_evaluation_as_the_online_target(feature
     for key in ("eval/top1_d0", "eval/top1_d1", "eval/tokens"):
         assert online[key] == pytest.approx(offline[key], abs=1e-6), key
     assert online["eval/loss_d0"] == pytest.approx(offline["eval/loss_d0"], rel=1e-3)
+
+
+def test_features_follow_their_dataset_when_both_are_moved(features_dir, stories_dataset, train_args, tmp_path):
+    """A dataset and its features copied elsewhere together still match (the features record the dataset's content
+    fingerprint, not only its path); features of another dataset are refused, naming --features."""
+    import shutil
+
+    import datasets
+
+    from training.data_source import offline_features
+
+    moved_data, moved_features = tmp_path / "data", tmp_path / "features"
+    shutil.copytree(stories_dataset, moved_data)
+    shutil.copytree(features_dir, moved_features)
+    config = parse_config(train_args("eagle", tmp_path / "run") + [f"--features={moved_features}"])
+    config.dataset = str(moved_data)
+    rows = datasets.load_from_disk(str(moved_data))
+    assert len(offline_features(config, rows).shards) == len(rows)
+    other = rows.map(lambda row: row)  # the same rows under another fingerprint, at another path
+    other.save_to_disk(str(tmp_path / "other"))
+    config.dataset = str(tmp_path / "other")
+    with pytest.raises(ValueError, match="--features .* holds .* samples of .*not the .* rows of --dataset"):
+        offline_features(config, datasets.load_from_disk(str(tmp_path / "other")))
