@@ -195,7 +195,6 @@ def check_attention_backend(model: PreTrainedModel, flag: str = "--attn_implemen
     return impl
 
 
-
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "final_norm")
 
 
