@@ -79,6 +79,22 @@ LOSS_SLACK = 0.5  # plain steps of loss always allowed (early misses of a head t
 CLOCK_PRIOR_STEPS = 2  # the cost model's word on a step's time weighs this many measured steps
 
 
+class RatioMean:
+    """A decayed mean of measured over modelled times (each older observation weighs `decay` times the next), read
+    from a prior worth `prior_steps` observations."""
+
+    def __init__(self, prior_steps: int = CLOCK_PRIOR_STEPS, decay: float = DECAY):
+        self.prior_steps, self.decay = prior_steps, decay
+        self.total, self.weight = 0.0, 0.0
+
+    def observe(self, measured: float, modelled: float) -> None:
+        self.total = self.decay * self.total + measured / modelled
+        self.weight = self.decay * self.weight + 1.0
+
+    def mean(self, prior: float = 1.0) -> float:
+        return (self.prior_steps * prior + self.total) / (self.prior_steps + self.weight)
+
+
 class StepClock:
     """This sequence's measured steps against the cost model (runtime.cost_model.StepCosts) at each step's KV length,
     so that the guard's break-even is what its steps really take here.
@@ -97,33 +113,24 @@ class StepClock:
         self.reset()
 
     def reset(self) -> None:
-        self._sums = {"draft": [0.0, 0.0], "verify": [0.0, 0.0], "plain": [0.0, 0.0]}  # decayed ratio sum, weight
-
-    def _observe(self, name: str, measured: float, modelled: float) -> None:
-        sums = self._sums[name]
-        sums[0] = self.decay * sums[0] + measured / modelled
-        sums[1] = self.decay * sums[1] + 1.0
-
-    def _mean(self, name: str, prior: float) -> float:
-        total, weight = self._sums[name]
-        return (self.prior_steps * prior + total) / (self.prior_steps + weight)
+        self.draft, self.verify, self.plain = (RatioMean(self.prior_steps, self.decay) for _ in range(3))
 
     def observe_plain(self, kv_length: int, seconds: float) -> None:
-        self._observe("plain", seconds, self.costs.plain_seconds(kv_length))
+        self.plain.observe(seconds, self.costs.plain_seconds(kv_length))
 
     def observe_drafted(self, kv_length: int, seconds: float, draft_seconds: float) -> None:
         modelled_draft = self.costs.draft(kv_length)
         if modelled_draft > 0:
-            self._observe("draft", draft_seconds, modelled_draft)
-        self._observe("verify", max(seconds - draft_seconds, 0.0), self.costs.verify_seconds(self.tokens, kv_length))
+            self.draft.observe(draft_seconds, modelled_draft)
+        self.verify.observe(max(seconds - draft_seconds, 0.0), self.costs.verify_seconds(self.tokens, kv_length))
 
     @property
     def verify_ratio(self) -> float:
-        return self._mean("verify", 1.0)
+        return self.verify.mean()
 
     @property
     def plain_ratio(self) -> float:
-        return self._mean("plain", self.verify_ratio)
+        return self.plain.mean(self.verify_ratio)
 
     def plain_seconds(self, kv_length: int) -> float:
         """A plain step's time here at this KV length."""
@@ -132,7 +139,7 @@ class StepClock:
     def step_cost(self, kv_length: int) -> float:
         """A drafted step's time here over a plain step's, at this KV length."""
         drafted = (self.verify_ratio * self.costs.verify_seconds(self.tokens, kv_length)
-                   + self._mean("draft", 1.0) * self.costs.draft(kv_length))
+                   + self.draft.mean() * self.costs.draft(kv_length))
         return drafted / self.plain_seconds(kv_length)
 
 

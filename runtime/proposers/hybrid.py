@@ -43,7 +43,7 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, root_only
-from runtime.proposers.guard import CLOCK_PRIOR_STEPS, DECAY, Ledger, ProbeSchedule, RunningTau
+from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -152,7 +152,7 @@ class HybridProposer:
         self.ledger.reset()
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
-        self._draft_sums, self._head_drafted_before = [0.0, 0.0], False  # StepClock's draft mean, for the head
+        self._draft_ratio, self._head_drafted_before = RatioMean(), False  # the head's measured / modelled draft
         self.last_choice = ""
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
@@ -174,14 +174,12 @@ class HybridProposer:
         step) over this sequence's head steps but its first (which fed the head the prompt), from a prior of 1
         worth CLOCK_PRIOR_STEPS steps. Head steps after lookup or plain steps are in it: they feed the head the
         tokens it missed, a cost of every such step."""
-        total, weight = self._draft_sums
-        return (CLOCK_PRIOR_STEPS + total) / (CLOCK_PRIOR_STEPS + weight)
+        return self._draft_ratio.mean()
 
     def _time_head(self, kv_length: int) -> None:
         modelled = self.costs.draft(kv_length)
         if self._head_drafted_before and modelled > 0:
-            self._draft_sums = [DECAY * self._draft_sums[0] + self._head_seconds / modelled,
-                                DECAY * self._draft_sums[1] + 1.0]
+            self._draft_ratio.observe(self._head_seconds, modelled)
         self._head_drafted_before = True
 
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
