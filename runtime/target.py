@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -417,8 +418,12 @@ class TargetModel:
                 with self._capture.catching(indices) as caught:
                     self.model(input_ids=probe, use_cache=True, past_key_values=DynamicCache())
                 usable = all(i in caught and torch.equal(caught[i], reference.hidden_states[i]) for i in indices)
-            except Exception:  # any surprise: transformers' own path
-                usable = False
+                why = "they differ from transformers' output_hidden_states"
+            except Exception as error:  # any surprise: transformers' own path
+                usable, why = False, f"{type(error).__name__}: {_first_line(error)}"
+            if not usable:  # correct either way, but every step then pays for all the hidden states: say so once
+                print(f"hidden states {list(indices)}: hooks not used ({why}); output_hidden_states serves them "
+                      f"(slower)", file=sys.stderr)
             self._capture.checked[indices] = usable
         return usable
 

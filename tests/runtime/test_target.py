@@ -91,6 +91,26 @@ def test_hidden_states_caught_by_hooks_equal_output_hidden_states(arch):
     assert torch.equal(tree_out.logits, ref_tree.logits)
 
 
+def test_hooks_that_do_not_serve_fall_back_and_say_why(capsys, monkeypatch):
+    """Where the one-time check of the hooks fails (here: they raise), transformers' output_hidden_states serves the
+    hidden states, and one line on stderr says so and why."""
+    model = tiny_model("llama")
+    target = TargetModel(model)
+
+    def broken(indices):
+        raise RuntimeError("no such layer")
+
+    monkeypatch.setattr(target._capture, "catching", broken)
+    prompt = torch.randint(3, 256, (9,))
+    out = target.prefill(prompt, hidden_state_indices=(-1,))
+    assert target._capture.checked[(-1,)] is False
+    with torch.no_grad():
+        ref = model(prompt[None], output_hidden_states=True)
+    assert torch.equal(out.hidden[-1], ref.hidden_states[-1][0])
+    err = capsys.readouterr().err
+    assert "hooks not used (RuntimeError: no such layer); output_hidden_states serves them" in err
+
+
 def test_eos_ids_from_generation_config():
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 7]
