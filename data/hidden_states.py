@@ -47,6 +47,12 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
                torch.float64: "float64"}
 
 
+def dataset_fingerprint(dataset: Any) -> str | None:
+    """The content fingerprint `datasets` keeps for a loaded Dataset (recorded with the features, so that a dataset
+    and its features moved together still match), or None for anything else."""
+    return getattr(dataset, "_fingerprint", None)
+
+
 def feature_name(layer: int) -> str:
     """Tensor name of hidden_states[layer] in a shard (the training batches use the same name)."""
     return f"hidden_states.{layer}"
@@ -198,7 +204,7 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
     num_shards = math.ceil(len(all_ids) / config.shard_size)
     output_dir = Path(config.output_dir)
     identity = {"format_version": FORMAT_VERSION, "model": config.model, "dataset": str(dataset_dir.resolve()),
-                "dataset_fingerprint": dataset._fingerprint, "num_samples": len(all_ids), "layers": layers,
+                "dataset_fingerprint": dataset_fingerprint(dataset), "num_samples": len(all_ids), "layers": layers,
                 "dtype": DTYPE_NAMES[dtype], "model_dtype": DTYPE_NAMES[model.dtype], "shard_size": config.shard_size}
     todo = [s for s in range(num_shards) if not shard_file(output_dir, s).is_file()]
     remaining = disk_estimate([n for s in todo for n in lengths[s * config.shard_size:(s + 1) * config.shard_size]],

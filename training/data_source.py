@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from data.hidden_states import HiddenStateShards, feature_name
+from data.hidden_states import HiddenStateShards, dataset_fingerprint, feature_name
 from data.shards import MANIFEST, tokenizer_hash
 from heads.loading import load_tokenizer, model_path
 from training.config import TrainConfig
@@ -123,7 +123,7 @@ def offline_features(config: TrainConfig, rows: Any, held_out: bool = False) -> 
     directory, dataset = (config.eval_features, config.eval_dataset) if held_out else (config.features, config.dataset)
     shards = HiddenStateShards(directory)
     index = shards.index
-    fingerprint = getattr(rows, "_fingerprint", None)
+    fingerprint = dataset_fingerprint(rows)
     same_dataset = Path(index["dataset"]).resolve() == Path(dataset).resolve() or (
         fingerprint is not None and index.get("dataset_fingerprint") == fingerprint)
     if not same_dataset or len(shards) != len(rows):
