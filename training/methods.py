@@ -235,6 +235,25 @@ def eagle_draft_vocab(draft: EagleDraft, lm_head: nn.Module) -> tuple[Tensor, Te
     return lm_head.weight.detach()[ids], ids, draft.t2d
 
 
+def over_draft_vocabulary(config: TrainConfig, lm_head: nn.Module, draft_to_target: Tensor) -> Tensor | None:
+    """The LM-head rows of a reduced draft vocabulary [Vd, H] when the soft targets need only them, else None.
+
+    The soft CE runs over the draft vocabulary, so the target's logits over its other rows serve only to find the
+    target's own argmax: the labels of --label_source target, and which positions the draft can express. With
+    --label_source data the labels say both, and the target's LM head runs over the draft rows only (measured on
+    SmolLM2, 8,192 of 49,152 rows: the full head took ~half of a float32 EAGLE training step on CPU)."""
+    if config.label_source != "data" or lm_head.bias is not None or draft_to_target.numel() >= lm_head.weight.shape[0]:
+        return None
+    return lm_head.weight.detach()[draft_to_target]
+
+
+def target_head(lm_head: nn.Module, draft_rows: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """The frozen target's logits [..., H] -> [..., V], or over the draft vocabulary only [..., Vd]."""
+    if draft_rows is None:
+        return lambda x: apply_head(lm_head, x)
+    return lambda x: x.to(draft_rows.dtype) @ draft_rows.T
+
+
 class EagleTraining(nn.Module):
     """EAGLE-1/2: smooth-L1 regression of f_{t+1} + soft CE through the frozen LM head; noisy input features."""
 
@@ -264,11 +283,11 @@ class EagleTraining(nn.Module):
         outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         wanted = ShiftedRows(target_hidden, targets.positions, steps, lambda x: x)  # f_{t+1+s}
-        with torch.no_grad():
-            wanted_logits = ShiftedRows(target_hidden, targets.positions, steps,
-                                        lambda x: apply_head(frozen.lm_head, x))
-        targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
         vocab = self._draft_vocab
+        over_draft = vocab[0] if vocab is not None and config.label_source == "data" else None
+        with torch.no_grad():
+            wanted_logits = ShiftedRows(target_hidden, targets.positions, steps, target_head(frozen.lm_head, over_draft))
+        targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
         for step, predicted in enumerate(outputs):
@@ -282,7 +301,7 @@ class EagleTraining(nn.Module):
                 feature = feature_regression(predicted, wanted.rows(step), targets.masks[step])
                 token, hits = eagle3_step_loss(predicted.to(rows.dtype) @ rows.T, wanted_logits.rows(step),
                                                targets.labels[step], targets.masks[step], ids, in_draft,
-                                               config.eval_top_k)
+                                               config.eval_top_k, over_draft=over_draft is not None)
             step_loss = config.feature_loss_weight * feature + config.token_loss_weight * token
             total = total + step_loss
             stats.append((step_loss, *hits))
@@ -324,8 +343,9 @@ class Eagle3Training(_FusedFeaturesTraining):
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
+        over_draft = over_draft_vocabulary(config, frozen.lm_head, draft_to_target)
         with torch.no_grad():
-            target_logits = ShiftedRows(last, targets.positions, steps, lambda x: apply_head(frozen.lm_head, x))
+            target_logits = ShiftedRows(last, targets.positions, steps, target_head(frozen.lm_head, over_draft))
         targets = target_greedy_labels(targets, config, lambda d: target_logits.rows(d).argmax(-1))
         total = first.new_zeros((), dtype=torch.float32)
         stats = []
@@ -334,7 +354,7 @@ class Eagle3Training(_FusedFeaturesTraining):
             loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted[targets.positions]),
                                           target_logits.rows(step),
                                           targets.labels[step], targets.masks[step], draft_to_target,
-                                          self.draft.t2d, config.eval_top_k)
+                                          self.draft.t2d, config.eval_top_k, over_draft=over_draft is not None)
             total = total + weight * loss
             stats.append((loss, *hits))
         return LossOutput(total, DepthStats.stack(stats), {})

@@ -95,6 +95,22 @@ def test_eagle3_loss_skips_inexpressible_targets_but_counts_them_as_misses():
     assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
 
 
+def test_eagle3_loss_over_the_draft_rows_skips_labels_outside_the_draft_vocabulary():
+    """over_draft: target logits come over the draft vocabulary only; the label decides what is expressible."""
+    vocab = 6
+    draft_to_target = torch.tensor([0, 2, 4])
+    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft[draft_to_target] = True
+    labels = torch.tensor([2, 5])  # 5 is not in the draft vocabulary
+    target_rows = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])  # [N, Vd]
+    draft_logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0]])
+    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_rows, labels, torch.ones(2, dtype=torch.bool),
+                                                draft_to_target, in_draft, top_k=1, over_draft=True)
+    assert (top1.item(), count.item()) == (1, 2)
+    only_first = -torch.log_softmax(draft_logits[0], -1) @ torch.softmax(target_rows[0], -1)
+    assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
+
+
 def test_depth_targets_select_positions_with_any_label():
     ids = torch.arange(8)[None]
     mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 0]])

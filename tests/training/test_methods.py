@@ -93,3 +93,39 @@ def test_shared_medusa_with_a_draft_vocabulary_counts_outside_tokens_as_misses(r
                            draft_vocab_size=10**6))
     assert small["eval/tokens"] == full["eval/tokens"] > 0
     assert 0 <= small["eval/top5_d0"] <= 1 and small["eval/loss_d0"] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_soft_targets_over_the_draft_vocabulary_only_match_the_full_head(stories_dataset, train_args, tmp_path, method):
+    """--label_source data runs the target's LM head over the draft vocabulary's rows only (the full head served
+    only to find its argmax). On the target's own greedy answers the labels ARE that argmax, so loss, gradients
+    and hits equal those of the full head, train and eval; a label outside the draft vocabulary drops its position
+    from the loss exactly as an outside argmax does."""
+    import datasets
+
+    rows = datasets.load_from_disk(str(stories_dataset))
+    ids = [rows[i]["input_ids"] for i in range(2)]
+    width = max(map(len, ids))
+    batch = {"input_ids": torch.tensor([x + [0] * (width - len(x)) for x in ids]),
+             "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+             "loss_mask": torch.tensor([rows[i]["loss_mask"] + [0] * (width - len(ids[i])) for i in range(2)])}
+    target = load_model(str(STORIES260K))
+    tokens = [t for x in ids for t in x]
+    results = {}
+    for source in ("target", "data"):
+        torch.manual_seed(0)
+        config = parse_config(train_args(method, tmp_path / source, label_source=source, draft_vocab_size=256))
+        module = build_training_module(config, target, lambda: [tokens])
+        out = module(batch, train=True, generator=torch.Generator().manual_seed(1))
+        out.loss.backward()
+        grads = [p.grad.clone() for p in module.parameters() if p.requires_grad]
+        evaluated = module(batch, train=False)
+        results[source] = (out, grads, evaluated)
+    (full, full_grads, full_eval), (rows_only, rows_grads, rows_eval) = results["target"], results["data"]
+    assert full.depth.count.sum() > 0
+    torch.testing.assert_close(rows_only.loss, full.loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(rows_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(rows_eval.loss, full_eval.loss, rtol=1e-5, atol=1e-6)
+    for name in ("correct", "correct_topk", "count"):
+        assert torch.equal(getattr(rows_eval.depth, name), getattr(full_eval.depth, name)), name
