@@ -78,36 +78,25 @@ def test_depth_metrics_names_and_tau():
     assert metrics["eval/tokens"] == 4
 
 
-def test_eagle3_loss_skips_inexpressible_targets_but_counts_them_as_misses():
+@pytest.mark.parametrize("over_draft", [False, True])
+def test_eagle3_loss_skips_inexpressible_targets_but_counts_them_as_misses(over_draft):
+    """Target logits over the whole vocabulary (its argmax decides what the draft can express) or, with over_draft,
+    over the draft vocabulary only (the label decides): position 1's token 5 is outside, so only position 0 is
+    in the loss, while both count in the accuracy."""
     vocab = 6
     draft_to_target = torch.tensor([0, 2, 4])
     in_draft = torch.zeros(vocab, dtype=torch.bool)
     in_draft[draft_to_target] = True
     labels = torch.tensor([2, 5])  # 5 is not in the draft vocabulary
     target_logits = torch.full((2, vocab), -10.0)
-    target_logits[0, 2] = 10.0
+    target_logits[0, :] = torch.tensor([0.0, -10.0, 3.0, -10.0, 1.0, -10.0])
     target_logits[1, 5] = 10.0
+    target = target_logits[:, draft_to_target] if over_draft else target_logits
     draft_logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0]])  # draft id 1 = target id 2 everywhere
-    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_logits, labels, torch.ones(2, dtype=torch.bool),
-                                                draft_to_target, in_draft, top_k=1)
+    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target, labels, torch.ones(2, dtype=torch.bool),
+                                                draft_to_target, in_draft, top_k=1, over_draft=over_draft)
     assert (top1.item(), count.item()) == (1, 2)
     only_first = -torch.log_softmax(draft_logits[0], -1) @ torch.softmax(target_logits[0, draft_to_target], -1)
-    assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
-
-
-def test_eagle3_loss_over_the_draft_rows_skips_labels_outside_the_draft_vocabulary():
-    """over_draft: target logits come over the draft vocabulary only; the label decides what is expressible."""
-    vocab = 6
-    draft_to_target = torch.tensor([0, 2, 4])
-    in_draft = torch.zeros(vocab, dtype=torch.bool)
-    in_draft[draft_to_target] = True
-    labels = torch.tensor([2, 5])  # 5 is not in the draft vocabulary
-    target_rows = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])  # [N, Vd]
-    draft_logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0]])
-    loss, (top1, topk, count) = eagle3_step_loss(draft_logits, target_rows, labels, torch.ones(2, dtype=torch.bool),
-                                                draft_to_target, in_draft, top_k=1, over_draft=True)
-    assert (top1.item(), count.item()) == (1, 2)
-    only_first = -torch.log_softmax(draft_logits[0], -1) @ torch.softmax(target_rows[0], -1)
     assert loss.item() == pytest.approx(only_first.item(), rel=1e-5)
 
 
