@@ -172,8 +172,9 @@ def eagle3_step_loss(draft_logits: Tensor, target_logits: Tensor, labels: Tensor
 
     draft_logits [N, Vd] predict token t+2+s; target_logits: the target LM head on hs[-1] at t+1+s, over the
     whole vocabulary [N, V], or with over_draft over the draft vocabulary only [N, Vd] (its rows in draft id
-    order: 6x cheaper at 8,192 of 49,152; for labels from the data, which then decide what is expressible); labels [N] token t+2+s; mask [N] bool;
-    draft_to_target [Vd] int64 target id of each draft id; target_in_draft [V] bool (t2d).
+    order: 6x cheaper at 8,192 of 49,152; for labels from the data, which then decide what is expressible);
+    labels [N] token t+2+s; mask [N] bool; draft_to_target [Vd] int64 target id of each draft id;
+    target_in_draft [V] bool (t2d).
     The target distribution is softmax over the draft vocabulary of the target logits; positions whose target
     token (the argmax of full-vocabulary logits, else the label) is outside the draft vocabulary are left out of
     the loss (the draft cannot express them) but still count as misses in the accuracy, which compares the
