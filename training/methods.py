@@ -235,16 +235,15 @@ def eagle_draft_vocab(draft: EagleDraft, lm_head: nn.Module) -> tuple[Tensor, Te
     return lm_head.weight.detach()[ids], ids, draft.t2d
 
 
-def over_draft_vocabulary(config: TrainConfig, lm_head: nn.Module, draft_to_target: Tensor) -> Tensor | None:
-    """The LM-head rows of a reduced draft vocabulary [Vd, H] when the soft targets need only them, else None.
+def soft_targets_over_draft(config: TrainConfig, lm_head: nn.Module, draft_vocab_size: int) -> bool:
+    """Whether the target's soft targets need only the LM-head rows of the draft vocabulary.
 
     The soft CE runs over the draft vocabulary, so the target's logits over its other rows serve only to find the
     target's own argmax: the labels of --label_source target, and which positions the draft can express. With
     --label_source data the labels say both, and the target's LM head runs over the draft rows only (measured on
     SmolLM2, 8,192 of 49,152 rows: the full head took ~half of a float32 EAGLE training step on CPU)."""
-    if config.label_source != "data" or lm_head.bias is not None or draft_to_target.numel() >= lm_head.weight.shape[0]:
-        return None
-    return lm_head.weight.detach()[draft_to_target]
+    return (config.label_source == "data" and lm_head.bias is None
+            and draft_vocab_size < lm_head.weight.shape[0])
 
 
 def target_head(lm_head: nn.Module, draft_rows: Tensor | None) -> Callable[[Tensor], Tensor]:
@@ -265,6 +264,8 @@ class EagleTraining(nn.Module):
         self.feature_layers = [self.last_layer]
         self.config = config
         self._draft_vocab = eagle_draft_vocab(draft, self._target.modules.lm_head)
+        self._soft_rows = (self._draft_vocab[0] if self._draft_vocab is not None and soft_targets_over_draft(
+            config, self._target.modules.lm_head, self._draft_vocab[1].numel()) else None)
 
     @property
     def heads(self) -> HeadsModule:
@@ -283,8 +284,7 @@ class EagleTraining(nn.Module):
         outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         wanted = ShiftedRows(target_hidden, targets.positions, steps, lambda x: x)  # f_{t+1+s}
-        vocab = self._draft_vocab
-        over_draft = vocab[0] if vocab is not None and config.label_source == "data" else None
+        vocab, over_draft = self._draft_vocab, self._soft_rows
         with torch.no_grad():
             wanted_logits = ShiftedRows(target_hidden, targets.positions, steps, target_head(frozen.lm_head, over_draft))
         targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
@@ -334,6 +334,12 @@ class Eagle3Training(_FusedFeaturesTraining):
     """EAGLE-3: three target layers -> fc; soft CE over the draft vocabulary; training-time test unrolls
     `ttt_steps` steps on the draft's own outputs with weights head_decay**s."""
 
+    def __init__(self, draft: Eagle3Draft, target: nn.Module, config: TrainConfig) -> None:
+        super().__init__(draft, target, config)
+        lm_head = self._target.modules.lm_head
+        self._soft_rows = (lm_head.weight.detach()[draft_target_ids(draft.d2t)] if soft_targets_over_draft(
+            config, lm_head, draft.config.draft_vocab_size) else None)  # [Vd, H] in draft id order, or None
+
     def forward(self, batch: dict[str, Any], train: bool = True, generator: torch.Generator | None = None
                 ) -> LossOutput:
         config, frozen = self.config, self._target.modules
@@ -343,7 +349,7 @@ class Eagle3Training(_FusedFeaturesTraining):
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
         draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
-        over_draft = over_draft_vocabulary(config, frozen.lm_head, draft_to_target)
+        over_draft = self._soft_rows
         with torch.no_grad():
             target_logits = ShiftedRows(last, targets.positions, steps, target_head(frozen.lm_head, over_draft))
         targets = target_greedy_labels(targets, config, lambda d: target_logits.rows(d).argmax(-1))
