@@ -98,7 +98,7 @@ def run_batch_bench(gen_args: GenerateArguments, bench_args) -> dict[str, Any]:
         raise ValueError(f"--batch_drafter must be 'method' or 'oracle', got {bench_args.batch_drafter!r}")
     spec = SpeculativeModel.from_args(gen_args)
     target, tokenizer, hf_model = spec.target, spec.tokenizer, spec.target.model
-    questions = read_questions(bench_args.prompts, bench_args.max_prompts)
+    questions = read_questions(bench_args.prompts, bench_args.max_prompts, bench_args.per_category)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     oracle = bench_args.batch_drafter == "oracle"

@@ -66,9 +66,15 @@ def _row_metadata(source: str) -> list[dict[str, Any]]:
     return rows
 
 
-def read_questions(source: str, max_prompts: int) -> list[Question]:
-    """The user turns of each of the first `max_prompts` conversations in `source`."""
-    conversations, skipped = read_conversations(source, max_rows=max_prompts)
+def read_questions(source: str, max_prompts: int, per_category: int = 0) -> list[Question]:
+    """The user turns of each of the first `max_prompts` conversations in `source`; with `per_category` > 0, of the
+    first `per_category` conversations of each category (MT-Bench's `category`, categories in order of first
+    appearance, at most `max_prompts` in all): a sample of every kind of prompt the file holds, not of its first."""
+    if per_category < 0:
+        raise ValueError(f"--per_category must be >= 0, got {per_category}")
+    if per_category:
+        return sample_per_category(read_questions(source, 0), per_category, max_prompts, source)
+    conversations, skipped = read_conversations(source, max_rows=max_prompts or None)
     for row in skipped[:5]:
         print(f"[bench] --prompts {source}: skipped row {row.line}: {row.reason}", file=sys.stderr)
     if not conversations:
@@ -80,6 +86,20 @@ def read_questions(source: str, max_prompts: int) -> list[Question]:
         questions.append(Question(question_id=meta.get("question_id", i), category=str(meta.get("category", "")),
                                   turns=[m["content"] for m in conversation if m["role"] == "user"]))
     return questions
+
+
+def sample_per_category(questions: list[Question], per_category: int, max_prompts: int, source: str
+                        ) -> list[Question]:
+    """The first `per_category` questions of each category, category by category in order of first appearance,
+    at most `max_prompts` (0 = no cap) in all."""
+    if not all(q.category for q in questions):
+        raise ValueError(f"--per_category: --prompts {source} has rows without a 'category' (MT-Bench's JSONL has "
+                         "one on every row)")
+    by_category: dict[str, list[Question]] = {}
+    for question in questions:
+        by_category.setdefault(question.category, []).append(question)
+    sample = [q for group in by_category.values() for q in group[:per_category]]
+    return sample[:max_prompts] if max_prompts else sample
 
 
 def read_prompts(source: str, max_prompts: int) -> list[str]:

@@ -94,6 +94,9 @@ class BenchArguments:
         "help": "prompt file or dataset: JSONL/JSON with prompt, turns (MT-Bench), instruction (Alpaca), "
                 "ShareGPT conversations or OpenAI messages; the first user turn of each is used"})
     max_prompts: int = field(default=10, metadata={"help": "use at most this many prompts"})
+    per_category: int = field(default=0, metadata={
+        "help": "N > 0: the first N prompts of each category (MT-Bench's 'category' field; --max_prompts caps the "
+                "total) instead of the file's first --max_prompts: MT-Bench's first 10 are all 'writing'"})
     output_json: str = field(default="outputs/bench/bench.json", metadata={"help": "results file (JSON)"})
     compare_hf: bool = field(default=False, metadata={
         "help": "also run transformers' own assisted generation (assistant_model= / prompt_lookup_num_tokens=)"})
@@ -381,7 +384,7 @@ def run_bench(gen_args: GenerateArguments, bench_args: BenchArguments) -> dict[s
     """Load the model(s), run every runner on every prompt (interleaved), return the JSON-ready result."""
     method = gen_args.resolved_method()
     config = gen_args.decode_config()
-    questions = read_questions(bench_args.prompts, bench_args.max_prompts)
+    questions = read_questions(bench_args.prompts, bench_args.max_prompts, bench_args.per_category)
     spec = SpeculativeModel.from_args(gen_args)  # plain decoding and the method share this model (and dtype)
     tokenizer, target, proposer, model = spec.tokenizer, spec.target, spec.proposer, spec.target.model
     dtype = dtype_name(model.dtype)

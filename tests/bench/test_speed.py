@@ -233,3 +233,22 @@ def test_bench_runs_plain_decoding_on_forced_layouts_as_the_baseline_check(tmp_p
     assert "bf16" in result["environment"]["cpu"]
     with pytest.raises(ValueError, match="--plain_layouts"):
         main(["--model", str(STORIES260K), "--plain_layouts", "auto", "--output_json", str(out)])
+
+
+def test_per_category_takes_the_first_prompts_of_each_category(tmp_path):
+    """MT-Bench's first rows are all 'writing': --per_category samples every category, in order of first appearance,
+    capped by --max_prompts; a file without categories is refused naming the flag."""
+    from bench.common import read_questions
+
+    rows = [{"question_id": i, "category": cat, "turns": [f"q{i}"]}
+            for i, cat in enumerate(["a", "a", "a", "b", "c", "b", "c", "a"])]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [q.question_id for q in read_questions(str(path), 10, 1)] == [0, 3, 4]
+    assert [q.question_id for q in read_questions(str(path), 10, 2)] == [0, 1, 3, 5, 4, 6]
+    assert [q.question_id for q in read_questions(str(path), 4, 2)] == [0, 1, 3, 5]
+    assert [q.question_id for q in read_questions(str(path), 2, 0)] == [0, 1]
+    with pytest.raises(ValueError, match="--per_category"):
+        read_questions(PROMPTS, 2, 1)
+    _, written = _bench(tmp_path, "--method", "prompt_lookup", "--prompts", str(path), "--per_category", "1")
+    assert [r["question_id"] for r in written["prompts"]] == [0, 3]  # _bench's --max_prompts 2 caps it
