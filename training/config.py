@@ -29,7 +29,7 @@ CONFIG_FILE = "train_config.yaml"
 RESUMABLE_FIELDS = frozenset({
     "max_steps", "num_epochs", "save_steps", "save_total_limit", "eval_steps", "logging_steps", "report_to",
     "project_name", "run_name", "resume_from", "push_to_hub", "hub_private", "num_threads", "progress_bar",
-    "save_merged", "dataloader_num_workers", "heads_dir", "max_train_minutes",
+    "save_merged", "dataloader_num_workers", "heads_dir", "max_train_minutes", "eval_only",
 })
 
 
@@ -94,6 +94,10 @@ class TrainConfig:
                               "Medusa-2 and MTP always use the dataset tokens.", default="target")
     init_heads: str | None = _help("Start from this saved heads directory (checked against the target) "
                                    "instead of fresh heads.", default=None)
+    eval_only: bool = _help("Evaluate the --init_heads heads on the held-out split (--eval_dataset / --eval_features, "
+                            "else --eval_samples rows of --dataset) and stop: per-depth top-1 / top-k and expected "
+                            "tau printed and written to <output_dir>/eval_metrics.json; nothing is trained or "
+                            "saved.", default=False)
 
     # --- losses
     head_decay: float = _help("Weight of depth k (0-based) is head_decay**k (Medusa, EAGLE-3, MTP).",
@@ -198,6 +202,8 @@ class TrainConfig:
         _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)
         _check(self.max_train_minutes >= 0, "--max_train_minutes", ">= 0", self.max_train_minutes)
+        _check(not self.eval_only or bool(self.init_heads), "--eval_only", "--init_heads DIR (the heads to "
+               "evaluate)", self.init_heads)
         if self.method == "medusa2" and self.features:
             raise ValueError("--features: medusa2 trains LoRA on the target, so it needs the online target "
                              "forward; drop --features")

@@ -6,6 +6,8 @@
 Reads top to bottom in the order things happen: config -> accelerator -> refuse incompatible resumes ->
 target + data -> heads -> optimizer -> (resume) -> loop (step, log, evaluate, checkpoint) -> heads directory
 with the measured per-depth accuracy and expected acceptance length in its model card -> optional Hub push.
+`--eval_only --init_heads DIR` stops after the heads: their held-out metrics, nothing trained or written but
+<output_dir>/eval_metrics.json.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ if __package__ in (None, ""):  # `accelerate launch training/train_heads.py` put
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from heads.checkpoint import push_directory
 from heads.cli import run_cli
+from heads.files import atomic_write_text
 from heads.loading import describe_dtype, fast_bf16, load_model, parse_dtype
 from training.batching import Collator, IndexedRows, limit_by_tokens, split_rows
 from training.checkpoints import (
@@ -186,12 +190,24 @@ def target_dtype_request(target_dtype: str, mixed_precision: str) -> str:
     return target_dtype
 
 
+def evaluate_heads(config: TrainConfig, accelerator: Accelerator, module: nn.Module, eval_loader: DataLoader) -> dict[str, Any]:
+    """--eval_only: the --init_heads heads' held-out metrics, printed and written to <output_dir>/eval_metrics.json."""
+    with torch.no_grad():
+        metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
+    result = {"heads": config.init_heads, "eval_dataset": config.eval_dataset or config.dataset, **metrics}
+    if accelerator.is_main_process:
+        text = json.dumps(result, indent=1)
+        atomic_write_text(Path(config.output_dir) / "eval_metrics.json", text + "\n")
+        print(text)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 1. Configuration and processes. Nothing is written before the compatibility checks pass.
     config = parse_config(argv)
     torch.set_num_threads(config.num_threads or 1)
     accelerator = make_accelerator(config)
-    checkpoint = resolve_resume(config)
+    checkpoint = None if config.eval_only else resolve_resume(config)
     check_compatible(config, checkpoint)
     requested = target_dtype_request(config.target_dtype, accelerator.mixed_precision)
 
@@ -215,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if eval_data is not data:
         check_feature_layers(eval_data.features, module.feature_layers, config.method, "--eval_features",
                              config.eval_features)
+    if config.eval_only:
+        return evaluate_heads(config, accelerator, module, eval_loader)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)

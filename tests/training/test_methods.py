@@ -129,3 +129,17 @@ def test_soft_targets_over_the_draft_vocabulary_only_match_the_full_head(stories
     torch.testing.assert_close(rows_eval.loss, full_eval.loss, rtol=1e-5, atol=1e-6)
     for name in ("correct", "correct_topk", "count"):
         assert torch.equal(getattr(rows_eval.depth, name), getattr(full_eval.depth, name)), name
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_eval_only_reproduces_the_runs_final_held_out_metrics(main, train_args, tmp_path, method):
+    """--eval_only --init_heads DIR: the saved heads score on the held-out rows exactly what the run's final
+    evaluation measured, and nothing but eval_metrics.json is written."""
+    final = main(train_args(method, tmp_path / "run"))
+    out = tmp_path / "eval"
+    metrics = main(train_args(method, out, init_heads=tmp_path / "run" / "heads", eval_only="true"))
+    evals = {k: v for k, v in final.items() if k.startswith("eval/")}
+    assert evals and {k: metrics[k] for k in evals} == pytest.approx(evals, abs=1e-6)
+    assert sorted(p.name for p in out.iterdir()) == ["eval_metrics.json"]
+    with pytest.raises(ValueError, match="--eval_only: expected --init_heads"):
+        main(train_args(method, tmp_path / "bad", eval_only="true"))
