@@ -102,9 +102,10 @@ def sample_per_category(questions: list[Question], per_category: int, max_prompt
     return sample[:max_prompts] if max_prompts else sample
 
 
-def read_prompts(source: str, max_prompts: int) -> list[str]:
-    """The first user turn of each of the first `max_prompts` conversations in `source`."""
-    return [question.turns[0] for question in read_questions(source, max_prompts)]
+def read_prompts(source: str, max_prompts: int, per_category: int = 0) -> list[str]:
+    """The first user turn of each of the first `max_prompts` conversations in `source` (of each category's first
+    `per_category`, when > 0: `read_questions`)."""
+    return [question.turns[0] for question in read_questions(source, max_prompts, per_category)]
 
 
 # ---------------------------------------------------------------- targets

@@ -8,7 +8,8 @@ every runner): plain decoding through our loop, transformers' `model.generate` (
 every method of the config. For each method it writes `<output_dir>/<name>.json` in bench.speed's format
 (per-prompt and overall tau, acceptance per depth, draft/verify/prefill shares, speed-up vs plain and vs
 transformers, greedy identity), and `<output_dir>/summary.json` with one row per method (including how an
-auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, max_new_tokens, output_dir,
+auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, per_category (the first N prompts of
+each category, as bench.speed --per_category), max_new_tokens, output_dir,
 num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup | method: hybrid + heads, and HeadsOptions
 fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
 takes num_speculative_tokens (default 5; "auto": transformers' schedule; "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
@@ -48,8 +49,8 @@ from runtime.loop import GenerationStats, StepStats
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.factory import HeadsOptions, hybrid_from_heads, proposer_from_heads
 
-RUN_KEYS = {"model", "prompts", "max_prompts", "max_new_tokens", "output_dir", "num_threads", "warmup_tokens",
-             "repeats", "methods", "dtype", "exact", "weight_layout"}
+RUN_KEYS = {"model", "prompts", "max_prompts", "per_category", "max_new_tokens", "output_dir", "num_threads",
+            "warmup_tokens", "repeats", "methods", "dtype", "exact", "weight_layout"}
 _OPTION_KEYS = {f.name for f in dataclasses.fields(HeadsOptions)}
 
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = dtype_name(model.dtype)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(config.get("prompts",
                                                                            "../shared/data/mt_bench_question.jsonl"),
-                                                                max_prompts)]
+                                                                max_prompts, int(config.get("per_category", 0)))]
     proposers, built_info, speculations = {}, {}, {}
     for spec in specs:  # sizes are chosen here (verify curve cached on disk, draft time measured)
         if spec.method == "prompt_lookup":  # the draft length as runtime.generate reads --num_speculative_tokens

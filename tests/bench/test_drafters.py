@@ -90,3 +90,21 @@ def test_drafters_resumes_from_its_state(tmp_path, capsys):
     main(["--config", str(config)])
     assert "another configuration: starting over" in capsys.readouterr().err
     assert all(p["plain"]["new_tokens"] == 10 for p in json.loads((tmp_path / "out" / "pl.json").read_text())["prompts"])
+
+
+def test_drafters_per_category_samples_each_category(tmp_path, monkeypatch):
+    """per_category: 1 decodes the first prompt of each category (bench.common.read_questions), not the first rows."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    rows = [("a", "Once upon a time"), ("a", "The cat sat"), ("b", "Tom had a ball"), ("c", "Lily saw a bird")]
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                               for i, (c, t) in enumerate(rows)))
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {STORIES260K}\nprompts: {prompts}\nmax_prompts: 8\nper_category: 1\nmax_new_tokens: 8\n"
+                      f"output_dir: {tmp_path / 'out'}\nwarmup_tokens: 2\nmethods:\n"
+                      f"  - {{name: pl, method: prompt_lookup}}\n")
+    main(["--config", str(config)])
+    state = json.loads((tmp_path / "out" / STATE_FILE).read_text())
+    assert len(state["run"]["prompts"]) == 3  # categories a, b, c: rows 0, 2, 3
+    detail = json.loads((tmp_path / "out" / "pl.json").read_text())
+    assert len(detail["prompts"]) == 3 and all(r["identical_to_plain"] for r in detail["prompts"])
