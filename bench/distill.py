@@ -1,12 +1,12 @@
 """Benchmark distillation engines on one job: generated tokens/s of each and its answers against hf's greedy answers.
 
-    python -m bench.distill --max_prompts 48 --max_new_tokens 128 --max_length 384   # hf + vLLM if available
+    python -m bench.distill --max_prompts 48 --max_new_tokens 128 --max_length 384   # hf, runtime + vLLM if available
     python -m bench.distill --engines hf --batch_sizes 16,8,1                          # hf batch sizes only
 
 Every (dtype, engine[, hf batch size]) is one full `python -m data.distill` run in its own process (reading,
 generation, tokenisation, shard writing, merge) into a temporary directory, on the same prompts; the time is the
 generation time its manifest records (model loading and vLLM's start excluded; `wall_seconds` includes them).
-Engines: `hf` (one run per `--batch_sizes` entry), `vllm` (in the worker of `--vllm_python`, default the venv
+Engines: `hf` (one run per `--batch_sizes` entry), `runtime` (our decode loop, at `--batch_size`), `vllm` (in the worker of `--vllm_python`, default the venv
 tests/engines/check_vllm.sh builds, when it exists, or in-process when `import vllm` works), `server` (with
 `--server_url`; it runs in whatever dtype it serves, once, compared with the first of `--dtypes`). `--engines auto` =
 every one available. Answers are compared per assistant turn with the hf run of
@@ -70,8 +70,8 @@ def vllm_python(bench: BenchConfig) -> str | None:
 
 
 def engines(bench: BenchConfig) -> list[str]:
-    names = ["hf", "vllm", "server"] if bench.engines == "auto" else bench.engines.split(",")
-    available = {"hf": True, "vllm": vllm_python(bench) is not None, "server": bool(bench.server_url)}
+    names = ["hf", "runtime", "vllm", "server"] if bench.engines == "auto" else bench.engines.split(",")
+    available = {"hf": True, "runtime": True, "vllm": vllm_python(bench) is not None, "server": bool(bench.server_url)}
     unknown = [n for n in names if n not in available]
     if unknown:
         raise ValueError(f"--engines: unknown {unknown}; expected some of {list(available)} or auto")
@@ -140,7 +140,7 @@ def run_one(bench: BenchConfig, engine: str, dtype: str, batch_size: int, work: 
     seconds, generated = manifest["generation_seconds"], manifest["tokens"]["generated"]
     ran_in = manifest["engine"].get("dtype") or dtype if engine != "server" else "served"
     record = {"engine": engine, "dtype": ran_in, "dtype_pass": dtype,
-              "batch_size": batch_size if engine == "hf" else None,
+              "batch_size": batch_size if engine in ("hf", "runtime") else None,
               "engine_info": manifest["engine"], "conversations": manifest["conversations_written"],
               "skipped": manifest["conversations_skipped"], "answers": manifest["assistant_turns"],
               "truncated_answers": manifest["truncated_answers"], "generated_tokens": generated,

