@@ -26,9 +26,10 @@ Columns: input_ids (list[int]), loss_mask (list[int], 1 on assistant tokens incl
 truncated_turns (list[int], assistant turns cut by --max_new_tokens), generated_tokens (int).
 Sampling is seeded per shard (`--seed` + shard number), so a resumed or multi-process run equals a
 one-process uninterrupted run (exactly for greedy decoding; the runtime engine seeds each batch from `--seed`
-and the batch's prompts; sampled runs of the vllm and server engines are seeded by `--seed` only). manifest.json's `engine` says what answered: name, version (transformers, vLLM, or
-the server's own where it reports one) and its settings; run.json holds the engine's name when it is not hf, so
-a run is never resumed with another engine.
+and the batch's prompts; sampled runs of the vllm and server engines are seeded by `--seed` only).
+manifest.json's `engine` says what answered: name, version (transformers, vLLM, or the server's own where it
+reports one) and its settings; run.json holds the engine's name when it is not hf, so a run is never resumed
+with another engine.
 
 `--mode teacher_forced` writes the same columns and manifest from the conversations' own answers, without
 loading the model (`data/teacher_forced.py`: `--sources NAME=PATH[:CAP] ...`, deduplication, `--eval_fraction`).

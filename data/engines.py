@@ -1,4 +1,4 @@
-"""Answer engines of `data.distill --engine runtime|hf|vllm|server`: a list of prompt token ids -> one `Answer` per prompt.
+"""Answer engines of `data.distill --engine runtime|hf|vllm|server`: prompt token ids -> one `Answer` per prompt.
 
 Sharding, resume, turn order, tokenisation and writing are `data.distill`'s, shared by all engines; an engine
 only answers. Every engine has `name`, `max_batch` (prompts per `generate` call; None = a whole round of a
