@@ -190,7 +190,8 @@ def target_dtype_request(target_dtype: str, mixed_precision: str) -> str:
     return target_dtype
 
 
-def evaluate_heads(config: TrainConfig, accelerator: Accelerator, module: nn.Module, eval_loader: DataLoader) -> dict[str, Any]:
+def evaluate_heads(config: TrainConfig, accelerator: Accelerator, module: nn.Module,
+                   eval_loader: DataLoader) -> dict[str, Any]:
     """--eval_only: the --init_heads heads' held-out metrics, printed and written to <output_dir>/eval_metrics.json."""
     with torch.no_grad():
         metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
