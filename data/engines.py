@@ -82,6 +82,14 @@ def token_answer(tokens: list[int], stop_token_ids: tuple[int, ...]) -> Answer:
 # --- hf --------------------------------------------------------------------------------------------------------
 
 
+def local_engine_info(name: str, dtype: torch.dtype, batch_size: int) -> dict[str, Any]:
+    """What manifest.json records of an engine that runs our transformers model in this process (hf, runtime)."""
+    import transformers
+
+    return {"name": name, "version": transformers.__version__, "torch": torch.__version__,
+            "dtype": dtype_name(dtype), "batch_size": batch_size}
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, S] and attention_mask [B, S] of left-padded prompts."""
     width = max(len(prompt) for prompt in prompts)
@@ -112,10 +120,7 @@ class HFEngine:
         return [token_answer(row, self.sampling.stop_token_ids) for row in output[:, input_ids.shape[1]:].tolist()]
 
     def describe(self) -> dict[str, Any]:
-        import transformers
-
-        return {"name": self.name, "version": transformers.__version__, "torch": torch.__version__,
-                "dtype": dtype_name(self.model.dtype), "batch_size": self.max_batch}
+        return local_engine_info(self.name, self.model.dtype, self.max_batch)
 
     def close(self) -> None:
         pass
@@ -142,7 +147,7 @@ class RuntimeEngine:
                                    eos_token_ids=tuple(sampling.stop_token_ids))
 
     def generate(self, prompts: list[list[int]]) -> list[Answer]:
-        config = self.config if self.sampling.temperature == 0 else dataclasses.replace(
+        config = self.config if self.config.sampling.is_greedy else dataclasses.replace(
             self.config, seed=chunk_seed(self.sampling.seed, prompts))
         rows: list[list[int]] = [[] for _ in prompts]
         tensors = [torch.tensor(prompt, dtype=torch.long) for prompt in prompts]
@@ -152,10 +157,7 @@ class RuntimeEngine:
         return [token_answer(row, self.sampling.stop_token_ids) for row in rows]
 
     def describe(self) -> dict[str, Any]:
-        import transformers
-
-        return {"name": self.name, "version": transformers.__version__, "torch": torch.__version__,
-                "dtype": dtype_name(self.target.dtype), "batch_size": self.max_batch,
+        return {**local_engine_info(self.name, self.target.dtype, self.max_batch),
                 "weight_layout": layout_of(self.target.model)}
 
     def close(self) -> None:

@@ -193,8 +193,7 @@ def target_dtype_request(target_dtype: str, mixed_precision: str) -> str:
 def evaluate_heads(config: TrainConfig, accelerator: Accelerator, module: nn.Module,
                    eval_loader: DataLoader) -> dict[str, Any]:
     """--eval_only: the --init_heads heads' held-out metrics, printed and written to <output_dir>/eval_metrics.json."""
-    with torch.no_grad():
-        metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)
+    metrics = evaluate(accelerator, module, eval_loader, config.eval_top_k)  # no_grad, eval mode
     result = {"heads": config.init_heads, "eval_dataset": config.eval_dataset or config.dataset, **metrics}
     if accelerator.is_main_process:
         text = json.dumps(result, indent=1)
