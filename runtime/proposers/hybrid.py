@@ -130,7 +130,7 @@ class HybridProposer:
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
         self.ledger = Ledger()
-        self._costs_read: dict[tuple[int, int], float] = {}  # (tokens, KV bucket) -> relative cost
+        self._tables: dict[int, tuple[list[float], float]] = {}  # KV bucket -> costs there (`_table`)
         self.lookup = LookupAcceptance()
         self.reset(None, None)
 
@@ -155,18 +155,23 @@ class HybridProposer:
         self._draft_ratio, self._head_drafted_before = RatioMean(), False  # the head's measured / modelled draft
         self.last_choice = ""
 
-    def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
-        """costs.relative, read once per KV_BUCKET tokens of context (a step reads ~20 of them), the head's draft time
-        (drafting) scaled by what it measured in this sequence."""
+    def _table(self, kv_length: int) -> tuple[list[float], float]:
+        """At the KV length rounded down to a multiple of KV_BUCKET: [relative verify cost of q tokens, q = 1..the
+        largest step] and the head's modelled draft time over a plain step; read from `costs` once per bucket (a
+        step reads up to ~20 costs, so a step that reads them one by one spends more than lookup's whole propose)."""
         bucket = kv_length // KV_BUCKET
-        kv = bucket * KV_BUCKET
-        if (tokens, bucket) not in self._costs_read:
-            self._costs_read[(tokens, bucket)] = self.costs.relative(tokens, kv, False)
-        if not drafting:
-            return self._costs_read[(tokens, bucket)]
-        if (0, bucket) not in self._costs_read:  # 0 tokens: the head's modelled draft time over a plain step
-            self._costs_read[(0, bucket)] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
-        return self._costs_read[(tokens, bucket)] + self.draft_ratio * self._costs_read[(0, bucket)]
+        table = self._tables.get(bucket)
+        if table is None:
+            kv = bucket * KV_BUCKET
+            verify = [self.costs.relative(q, kv, False) for q in range(1, self.tree_size + 2)]
+            table = self._tables[bucket] = (verify, self.costs.draft(kv) / self.costs.plain_seconds(kv))
+        return table
+
+    def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
+        """costs.relative at the step's KV bucket (`_table`), the head's draft time (drafting) scaled by what it
+        measured in this sequence."""
+        verify, draft = self._table(kv_length)
+        return verify[tokens - 1] + (self.draft_ratio * draft if drafting else 0.0)
 
     @property
     def draft_ratio(self) -> float:
@@ -191,7 +196,7 @@ class HybridProposer:
     def options(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
                 head_tau: float) -> dict[tuple[int, int], float]:
         """{(k, m): expected tokens per plain step's time} of the step's choices (the module docstring's table)."""
-        plain_costs = [self._cost(q, kv_length, False) for q in range(1, match_length + 2)]
+        plain_costs = self._table(kv_length)[0][:match_length + 1]
         k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
         lookup_tokens = expected_tokens(acceptance, k)
         options = {(k, 0): lookup_tokens / plain_costs[k]}
@@ -221,11 +226,13 @@ class HybridProposer:
             k, m = best_option({key: rate for key, rate in options.items() if key[1]})
         k = min(k, max_tokens - m)
         self.last_choice = f"lookup {k} + head {m}"
-        started = time.perf_counter()
-        draft = self.head.propose(committed_ids, m) if m else root_only(committed_ids)
-        self._head_seconds = time.perf_counter() - started
-        self._head_nodes = draft.tree.num_nodes if m else 0
         self._rate_without, self._step_tokens = max(without.values()), 1 + k + m
+        if not m:  # the lookup's chain (or the root alone), as prompt lookup drafts it
+            return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
+        started = time.perf_counter()
+        draft = self.head.propose(committed_ids, m)
+        self._head_seconds = time.perf_counter() - started
+        self._head_nodes = draft.tree.num_nodes
         if k:
             draft, _ = merge_chain(draft, candidate[:k].tolist())
         return draft
@@ -233,7 +240,10 @@ class HybridProposer:
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         started = time.perf_counter()
-        self.head.on_accept(committed_ids, *path_view(draft, accepted_nodes, tree_hidden))
+        if self._head_nodes:
+            self.head.on_accept(committed_ids, *path_view(draft, accepted_nodes, tree_hidden))
+        else:  # a chain already: its accepted nodes are a prefix, the path as it is
+            self.head.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
         self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
         if self._head_nodes > 1:  # charged what the best step without the head commits in this step's real time
