@@ -44,9 +44,14 @@ DEFAULT_KINDS_FILE = "outputs/prompts/kinds.jsonl"
 # ---------------------------------------------------------------- configuration
 
 
+# bench.drafters keys that mean nothing here: a kind file's rows have no MT-Bench category to sample by
+NOT_FOR_KINDS = {"per_category"}
+
+
 def drafters_keys() -> set[str]:
-    """The run keys bench.drafters accepts in its config (read from it, so they follow its changes)."""
-    return set(drafters.RUN_KEYS)
+    """The run keys bench.drafters accepts in its config (read from it, so they follow its changes) that a kinds
+    config may use."""
+    return set(drafters.RUN_KEYS) - NOT_FOR_KINDS
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

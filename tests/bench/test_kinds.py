@@ -68,6 +68,10 @@ def test_unknown_config_key_names_key_and_file(tmp_path):
         kinds.main(["--config", str(path)], run_kind=lambda p: pytest.fail("ran"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         kinds.main(["--config", str(tmp_path / "missing.yaml")])
+    # bench.drafters' per_category samples MT-Bench categories; kind files have none, so a kinds config refuses it
+    path.write_text("model: m\nkinds_file: k.jsonl\nper_category: 1\nmethods: [{name: a, method: prompt_lookup}]\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['per_category'\]"):
+        kinds.main(["--config", str(path)], run_kind=lambda p: pytest.fail("ran"))
 
 
 def test_committed_config_parses():
