@@ -44,6 +44,7 @@ from runtime.proposers.draft_vocab import DraftVocab
 from runtime.proposers.tree_drafting import (
     Candidates,
     check_top_k,
+    deeper_can_enter,
     draft_static_tree,
     ordered_draft,
     select_nodes,
@@ -99,6 +100,10 @@ class EagleProposer:
         if prompt_window is not None and prompt_window < 1:
             raise ValueError(f"EagleProposer: prompt_window must be >= 1 or None, got {prompt_window}")
         self.prompt_window = prompt_window
+        # EAGLE-2: stop forwarding levels once no deeper node can enter the kept tree (the draft is the same; an
+        # unsure head stops early, a confident chain goes deep). cost_model.DraftTimer turns it off to time every
+        # level: its random context says nothing about where text stops, and the planner's cost stays an upper bound.
+        self.stop_when_final = True
         self._skipped = 0  # prompt entries left out of the draft's cache (before the window)
         self._kv: LayerKV | None = None  # committed entries skipped..skipped+c-1
         self._pending: Tensor | None = None  # [m, H] features of entries c..c+m-1 (not yet fed)
@@ -232,6 +237,8 @@ class EagleProposer:
             for node, token_row, lp_row in zip(frontier, ids.tolist(), top.values.tolist(), strict=True):
                 for token, lp in zip(token_row, lp_row, strict=True):
                     layer.append(candidates.add(node, token, lp))
+            if self.stop_when_final and not deeper_can_enter(candidates, layer, budget):  # the kept tree is final
+                break
         kept = select_nodes(candidates, budget)
         return ordered_draft(candidates, kept)
 

@@ -137,6 +137,22 @@ class Candidates:
         return a == b
 
 
+def deeper_can_enter(candidates: Candidates, layer: list[int], total_tokens: int) -> bool:
+    """Whether expanding the newest `layer` could change `select_nodes(candidates, total_tokens)`.
+
+    select_nodes keeps the first `total_tokens` candidates in the order (score descending, id ascending): a parent
+    comes before its children there (a child's score is its parent's plus a log-probability <= 0, its id larger),
+    so that order's prefix is the kept set. Every deeper node descends from `layer`, so its score is at most the
+    layer's best, and its id is larger than any candidate's so far: it can enter only with a score above the
+    `total_tokens`-th best score. When the layer's best is not above it, the tree is final: expanding further
+    would forward the draft layer for nodes that are then dropped (a budget of 8 with top_k 8 kept 8 nodes of
+    depth <= 2 while 5 levels were forwarded, 13.4 ms of drafting)."""
+    if not layer or len(candidates.score) - 1 < total_tokens:
+        return bool(layer)
+    threshold = heapq.nlargest(total_tokens, candidates.score[1:])[-1]
+    return max(candidates.score[n] for n in layer) > threshold
+
+
 def select_nodes(candidates: Candidates, total_tokens: int) -> list[int]:
     """The best `total_tokens` non-root candidates by cumulative score, a node only after its parent.
 

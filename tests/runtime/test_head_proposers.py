@@ -19,7 +19,7 @@ from heads import HeadsConfig, build_heads
 from heads.draft_vocab import build_vocab_mapping, draft_target_ids
 from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
-from runtime.cost_model import CostCurve, StepCosts
+from runtime.cost_model import CostCurve, DraftTimer, StepCosts
 from runtime.loop import GenerationStats, generate
 from runtime.proposers.base import Draft
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
@@ -608,36 +608,86 @@ def test_rejection_sampling_with_a_draft_vocabulary(name):
     assert chi_square_pvalue(counts_seen, exact) > 1e-3
 
 
+def _eagle2_drafts(monkeypatch, heads, model, prompt, total: int, keep: int, expand_all: bool = False):
+    """One EAGLE-2 propose after `prompt`: (draft, logits rows per level, the candidate tree before selection).
+    expand_all: every level up to the depth and budget is forwarded (no stop once the kept tree is final)."""
+    from runtime.proposers import eagle
+
+    proposer = EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=5, top_k=8, total_tokens=total))
+    target = TargetModel(model)
+    out = target.prefill(prompt, proposer.hidden_state_indices)
+    proposer.reset(prompt, out.hidden)
+    committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1)])
+    rows, captured = [], []
+    original_logits, original_select = proposer.draft_logits, eagle.select_nodes
+    with monkeypatch.context() as patch:
+        patch.setattr(proposer, "draft_logits", lambda o: rows.append(o.reshape(-1, o.shape[-1]).shape[0])
+                      or original_logits(o))
+        patch.setattr(eagle, "select_nodes", lambda c, n: captured.append(c) or original_select(c, n))
+        proposer.stop_when_final = not expand_all
+        draft = proposer.propose(committed, keep)
+    return draft, rows, captured[0]
+
+
 def test_eagle2_draft_is_bounded_by_the_budget(monkeypatch):
-    """depth 5 / top_k 8 with 3 nodes kept: 3 levels, logits rows 1 + 2 + 1, and the same tree as expanding the
-    whole depth-5 top-8 candidate set and keeping its best 3."""
+    """depth 5 / top_k 8 with 3 nodes kept: at most 3 levels, logits rows 1 + 2 + 1, and the same tree as expanding
+    the whole depth-5 top-8 candidate set and keeping its best 3."""
     from runtime.proposers import eagle
 
     model = tiny_model("llama")
     heads = make_heads("eagle", model, seed=2)
     prompt = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(3))
-
-    def drafted(total: int, keep: int):
-        proposer = EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=5, top_k=8, total_tokens=total))
-        target = TargetModel(model)
-        out = target.prefill(prompt, proposer.hidden_state_indices)
-        proposer.reset(prompt, out.hidden)
-        committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1)])
-        rows, captured = [], []
-        original_logits, original_select = proposer.draft_logits, eagle.select_nodes
-        monkeypatch.setattr(proposer, "draft_logits", lambda o: rows.append(o.reshape(-1, o.shape[-1]).shape[0])
-                            or original_logits(o))
-        monkeypatch.setattr(eagle, "select_nodes", lambda c, n: captured.append(c) or original_select(c, n))
-        draft = proposer.propose(committed, keep)
-        monkeypatch.setattr(eagle, "select_nodes", original_select)
-        return draft, rows, captured[0]
-
-    small, rows, _ = drafted(3, 3)
-    assert rows == [1, 2, 1] and small.tree.num_nodes == 4
-    _, full_rows, candidates = drafted(64, 64)
+    small, rows, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, 3, 3)
+    assert rows == [1, 2, 1][:len(rows)] and small.tree.num_nodes == 4
+    _, bounded_rows, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, 3, 3, expand_all=True)
+    assert bounded_rows == [1, 2, 1]
+    _, full_rows, candidates = _eagle2_drafts(monkeypatch, heads, model, prompt, 64, 64, expand_all=True)
     assert full_rows == [1, 8, 8, 8, 8]
     expected = eagle.ordered_draft(candidates, eagle.select_nodes(candidates, 3))
     assert torch.equal(small.tokens, expected.tokens) and torch.equal(small.tree.parents, expected.tree.parents)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eagle2_stops_expanding_once_the_kept_tree_is_final(monkeypatch, seed):
+    """Levels whose nodes cannot enter the kept set are not forwarded, and the draft is the one that forwarding
+    every level gives (tokens and tree), for budgets 1-12 after prompts of a random and a sharp head."""
+    model, sigma = perm_target("llama", seed=seed)
+    saved = 0
+    for heads in (make_heads("eagle", model, seed=seed), make_heads("eagle", model, sigma, seed=seed)):
+        for length, budget in ((5, 1), (9, 3), (12, 5), (7, 8), (15, 12)):
+            prompt = torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed * 31 + length))
+            draft, rows, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, budget, budget)
+            full, full_rows, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, budget, budget, expand_all=True)
+            assert torch.equal(draft.tokens, full.tokens) and torch.equal(draft.tree.parents, full.tree.parents)
+            assert rows == full_rows[:len(rows)]
+            saved += sum(full_rows) - sum(rows)
+    assert saved > 0  # some level was left out
+
+
+def test_draft_timer_times_every_level():
+    """The planner's draft time is an upper bound: DraftTimer forwards every level of an EAGLE-2 tree (its random
+    context says nothing about where text stops) and gives the proposer back as it was."""
+    model = tiny_model("llama")
+    proposer = EagleProposer(make_heads("eagle", model, seed=2), model,
+                             dynamic=DynamicTreeConfig(depth=5, top_k=8, total_tokens=3))
+    seen, original = [], proposer._dynamic_draft
+    proposer._dynamic_draft = lambda *args: seen.append(proposer.stop_when_final) or original(*args)
+    DraftTimer(TargetModel(model), 16, proposer.hidden_state_indices).seconds(proposer)
+    assert seen and not any(seen) and proposer.stop_when_final
+
+
+def test_deeper_can_enter():
+    """A deeper node enters the kept set only with a score above the budget-th best (ties keep the older node)."""
+    from runtime.proposers.tree_drafting import Candidates, deeper_can_enter
+
+    c = Candidates.rooted(7)
+    a, _ = c.add(0, 1, -0.1), c.add(0, 2, -1.0)
+    aa, ab = c.add(a, 3, -0.5), c.add(a, 4, -2.0)  # scores -0.6, -2.1
+    assert deeper_can_enter(c, [aa, ab], 5)  # fewer candidates than the budget: anything enters
+    assert deeper_can_enter(c, [aa, ab], 3)  # 3rd best is -1.0; aa's children may score up to -0.6
+    assert not deeper_can_enter(c, [ab], 2)  # 2nd best is -0.6 (aa); ab's descendants score <= -2.1
+    assert not deeper_can_enter(c, [aa], 2)  # aa is the 2nd best itself: its children tie at best, and lose
+    assert not deeper_can_enter(c, [], 1)
 
 
 def test_static_tree_rows_only_for_nodes_that_get_children():
