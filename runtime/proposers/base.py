@@ -63,6 +63,11 @@ def per_row(proposer: Proposer, rows: int) -> list[Proposer]:
     return [proposer] + [copy.copy(proposer) for _ in range(rows - 1)]
 
 
+def chain_draft(committed_ids: torch.Tensor, tokens: torch.Tensor) -> Draft:
+    """A chain of `tokens` [k] below the root (committed_ids[-1]): what prompt lookup and the oracle draft."""
+    return Draft(tokens=torch.cat([committed_ids[-1:], tokens]), tree=Tree.chain(tokens.numel()))
+
+
 def root_only(committed_ids: torch.Tensor) -> Draft:
     """The empty draft: just the root (committed_ids[-1]); verifying it is one plain decoding step."""
     return Draft(tokens=committed_ids[-1:].clone(), tree=Tree.chain(0))

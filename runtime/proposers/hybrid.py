@@ -42,7 +42,7 @@ import time
 import torch
 
 from runtime.cost_model import StepCosts
-from runtime.proposers.base import Draft, Proposer, root_only
+from runtime.proposers.base import Draft, Proposer, chain_draft, root_only
 from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
@@ -228,7 +228,7 @@ class HybridProposer:
         self.last_choice = f"lookup {k} + head {m}"
         self._rate_without, self._step_tokens = max(without.values()), 1 + k + m
         if not m:  # the lookup's chain (or the root alone), as prompt lookup drafts it
-            return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
+            return chain_draft(committed_ids, candidate[:k])
         started = time.perf_counter()
         draft = self.head.propose(committed_ids, m)
         self._head_seconds = time.perf_counter() - started

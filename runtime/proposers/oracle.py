@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.proposers.base import Draft, root_only
-from runtime.tree import Tree
+from runtime.proposers.base import Draft, chain_draft, root_only
 
 
 class OracleProposer:
@@ -32,7 +31,7 @@ class OracleProposer:
         continuation = self.reference[done:done + max(max_tokens, 0)].to(committed_ids.device)  # [m]
         if continuation.numel() == 0:
             return root_only(committed_ids)
-        return Draft(tokens=torch.cat([committed_ids[-1:], continuation]), tree=Tree.chain(continuation.numel()))
+        return chain_draft(committed_ids, continuation)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:

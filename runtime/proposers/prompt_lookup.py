@@ -26,8 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.proposers.base import Draft, root_only
-from runtime.tree import Tree
+from runtime.proposers.base import Draft, chain_draft, root_only
 
 PRIOR_ACCEPTANCE = (0.3, 0.7)  # a_1 and a_2.. before anything was learned (MT-Bench measured .30 then .6-.85)
 LEARNING_RATE = 0.25  # weight of the newest outcome in the running averages
@@ -148,7 +147,7 @@ class PromptLookupProposer:
             if n:
                 k = best_draft_length(self.learned.of(n, max_tokens), self.step_costs, k, self.required_gain)
                 self.learned.offered(n, candidate, committed_ids.numel())
-        return Draft(tokens=torch.cat([committed_ids[-1:], candidate[:k]]), tree=Tree.chain(k))
+        return chain_draft(committed_ids, candidate[:k])
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
