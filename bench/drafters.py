@@ -11,7 +11,7 @@ transformers, greedy identity), and `<output_dir>/summary.json` with one row per
 auto tree size was chosen). Config keys (YAML): model, prompts, max_prompts, per_category (the first N prompts of
 each category, as bench.speed --per_category), max_new_tokens, output_dir,
 num_threads, warmup_tokens, repeats (every runner R times per prompt, interleaved, fastest kept), methods: a list of {name, heads | method: prompt_lookup | method: hybrid + heads, and HeadsOptions
-fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length; prompt lookup
+fields: tree_size, tree, eagle_tree, tree_depth, tree_top_k, max_tree_size, cost_kv_length, confidence_gate; prompt lookup
 takes num_speculative_tokens (default 5; "auto": transformers' schedule; "cost": the length that pays per step)}. Each drafter's per-step budget is its own size.
 
 Results are rewritten after every prompt, with `<output_dir>/state.json` (the run's identity, records and step

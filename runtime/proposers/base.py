@@ -26,13 +26,16 @@ class Draft:
     were drawn *without replacement*, in child order. `probs is None` means the children are deterministic
     guesses (point masses); rejection sampling stays lossless either way. `point_mass[i]` True marks node i as a
     deterministic guess even where its parent's row of `probs` gave its siblings (a hybrid tree: sampled head
-    children and prompt-lookup tokens under one node).
+    children and prompt-lookup tokens under one node). `expected` is the drafter's own estimate of the draft
+    tokens the target will accept: the sum over non-root nodes of the path's draft probability (EAGLE-2's scores,
+    `tree_drafting.ordered_draft`); None where the drafter has none.
     """
 
     tokens: torch.Tensor  # [N] int64
     tree: Tree
     probs: torch.Tensor | None = None  # [N, V] float32 or None
     point_mass: torch.Tensor | None = None  # [N] bool or None (None: every node as `probs` says)
+    expected: float | None = None  # the drafter's estimate of accepted draft tokens, or None
 
 
 class Proposer(Protocol):

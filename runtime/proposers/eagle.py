@@ -43,6 +43,7 @@ from runtime.proposers.base import Draft, root_only
 from runtime.proposers.draft_vocab import DraftVocab
 from runtime.proposers.tree_drafting import (
     Candidates,
+    cannot_expect,
     check_top_k,
     deeper_can_enter,
     draft_static_tree,
@@ -104,6 +105,14 @@ class EagleProposer:
         # unsure head stops early, a confident chain goes deep). cost_model.DraftTimer turns it off to time every
         # level: its random context says nothing about where text stops, and the planner's cost stays an upper bound.
         self.stop_when_final = True
+        # The confidence gate (EAGLE-2 trees): the accepted draft tokens a step must be able to return to pay for
+        # itself, set by the guard or the hybrid before each propose from the step's break-even (0: no gate). Once
+        # the root's children are known, no kept tree can expect more than budget x the best child's probability
+        # (a node's path probability is at most its depth-1 ancestor's); under that, the step stops there and
+        # drafts nothing. The draft's path probabilities are calibrated (on 7 prompt kinds, 1,915 steps: drafts
+        # expecting .25 / .50 / .69 / 1.20 tokens accepted .23 / .44 / .67 / 1.18), so a step that cannot expect
+        # its cost back loses it: it pays the feed and one LM-head row instead of the deeper levels and the verify.
+        self.min_expected = 0.0
         self._skipped = 0  # prompt entries left out of the draft's cache (before the window)
         self._kv: LayerKV | None = None  # committed entries skipped..skipped+c-1
         self._pending: Tensor | None = None  # [m, H] features of entries c..c+m-1 (not yet fed)
@@ -210,7 +219,8 @@ class EagleProposer:
         else:
             draft = self._dynamic_draft(session, root, max_tokens)
         return Draft(tokens=draft.tokens.to(committed_ids.device), tree=draft.tree,
-                     probs=None if draft.probs is None else draft.probs.to(committed_ids.device))
+                     probs=None if draft.probs is None else draft.probs.to(committed_ids.device),
+                     expected=draft.expected)
 
     def _dynamic_draft(self, session: _DraftSession, root: int, max_tokens: int) -> Draft:
         config = self.dynamic
@@ -237,6 +247,8 @@ class EagleProposer:
             for node, token_row, lp_row in zip(frontier, ids.tolist(), top.values.tolist(), strict=True):
                 for token, lp in zip(token_row, lp_row, strict=True):
                     layer.append(candidates.add(node, token, lp))
+            if depth == 0 and self.min_expected > 0 and cannot_expect(candidates, layer, budget, self.min_expected):
+                return ordered_draft(candidates, [0])  # the gate: nothing worth verifying
             if self.stop_when_final and not deeper_can_enter(candidates, layer, budget):  # the kept tree is final
                 break
         kept = select_nodes(candidates, budget)

@@ -154,7 +154,8 @@ def proposer_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel
     proposer = family.make(plan.shape, plan.size)
     costs = None
     if options.allow_off:  # planned from held-out accuracy: checked against this sequence's acceptance as it runs
-        proposer, costs = guarded(proposer, target, plan.size, plan.chosen["expected_tau"], options.cost_kv_length)
+        proposer, costs = guarded(proposer, target, plan.size, plan.chosen["expected_tau"], options.cost_kv_length,
+                                  options.confidence_gate)
         label += f", guarded (drafts while this sequence accepts at least a drafted step's cost in plain steps: " \
                  f"{costs.describe(plan.size + 1)})"
     return HeadsProposer(proposer, config, plan.size, plan, label, notes, costs)
@@ -179,7 +180,7 @@ def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, 
         expected_tau = chain_expected_tau(need_table_column(table))(built.size) if table else 1.0
     costs = measure_step_costs(target, built.size + 1 + max_lookup, built.proposer, options.cost_kv_length)
     proposer = HybridProposer(built.proposer, built.size, expected_tau, costs, max_lookup, max_ngram, min_ngram,
-                              trees=target.mode == "tree")
+                              trees=target.mode == "tree", gate=options.confidence_gate)
     label = (f"hybrid: prompt lookup (up to {max_lookup} tokens) + {built.description} (expected tau "
              f"{expected_tau:.2f}); per step the split that pays most at the sequence's KV length; head step cost "
              f"{costs.describe(built.size + 1)}")
@@ -187,14 +188,14 @@ def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, 
 
 
 def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
-            kv_length: int = GUARD_KV_LENGTHS[0]) -> tuple[PayingGuard, StepCosts]:
+            kv_length: int = GUARD_KV_LENGTHS[0], gate: bool = True) -> tuple[PayingGuard, StepCosts]:
     """`proposer` under a PayingGuard whose break-even is its step's cost at the sequence's KV length (verify over
     size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
     at the longer lengths of GUARD_KV_LENGTHS; the guard times this sequence's steps against that model
     (runtime.proposers.guard.StepClock)."""
     costs = measure_step_costs(target, size + 1, proposer, kv_length)
     return PayingGuard(proposer, lambda kv_length: costs.relative(size + 1, kv_length), expected_tau,
-                       timed=costs, verify_tokens=size + 1), costs
+                       timed=costs, verify_tokens=size + 1, gate=gate), costs
 
 
 def _shape_text(shape: dict[str, int]) -> str:

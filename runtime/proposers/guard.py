@@ -219,6 +219,13 @@ class ProbeSchedule:
         return False
 
 
+def set_gate(proposer: Proposer, minimum: float) -> None:
+    """Tell a drafter with a confidence gate (EAGLE-2's `min_expected`) how many accepted draft tokens this step
+    must expect to pay for itself; drafters without one draft as they always do."""
+    if hasattr(proposer, "min_expected"):
+        proposer.min_expected = max(minimum, 0.0)
+
+
 class PayingGuard:
     """A proposer that drafts through `inner` while the estimated accepted length pays for `step_cost`, a number or
     a function of the KV length (committed tokens) giving the drafted step's cost over a plain step's."""
@@ -228,7 +235,7 @@ class PayingGuard:
                  confidence: float = CONFIDENCE, max_probe_every: int = MAX_PROBE_EVERY,
                  charge: Callable[[int, float], float] | None = None,
                  timed: StepCosts | None = None, verify_tokens: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, gate: bool = True):
         cost = step_cost if callable(step_cost) else (lambda kv_length, c=float(step_cost): c)
         if cost(1) <= 0:
             raise ValueError(f"guard: need step_cost > 0, got {cost(1)}")
@@ -242,6 +249,8 @@ class PayingGuard:
         self.timed, self.verify_tokens = timed, verify_tokens
         self.clock = StepClock(timed, verify_tokens, decay=decay) if timed is not None else None
         self.now = clock  # seconds (tests pass their own)
+        # each drafted step tells the drafter its break-even (step cost - 1 tokens), for its confidence gate
+        self.gate = gate
         self._draft_seconds, self._step_started, self._drafted_before = 0.0, 0.0, False
         self.tau = RunningTau(expected_tau, prior_steps, decay, confidence)
         self.probes = ProbeSchedule(probe_every, max_probe_every)
@@ -251,7 +260,7 @@ class PayingGuard:
     def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
         return PayingGuard(copy.copy(self.inner), self.cost, self.expected_tau, self.tau.prior_steps,
                            self.probes.first, self.tau.decay, self.tau.confidence, self.probes.longest, self.charge,
-                           self.timed, self.verify_tokens, self.now)
+                           self.timed, self.verify_tokens, self.now, self.gate)
 
     @property
     def decay(self) -> float:
@@ -315,6 +324,8 @@ class PayingGuard:
 
     def _timed_propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         started = self.now()
+        if self.gate:
+            set_gate(self.inner, self.step_cost - 1.0)
         draft = self.inner.propose(committed_ids, max_tokens)
         self._draft_seconds = self.now() - started
         return draft

@@ -43,7 +43,7 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, chain_draft, root_only
-from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau
+from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau, set_gate
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -117,7 +117,8 @@ class HybridProposer:
     `expected_tau` per step by its plan) in one tree per step, sized by `costs` at the sequence's KV length."""
 
     def __init__(self, head: Proposer, head_size: int, expected_tau: float, costs: StepCosts, max_lookup: int = 8,
-                 max_ngram: int = 3, min_ngram: int = 1, required_gain: float = REQUIRED_GAIN, trees: bool = True):
+                 max_ngram: int = 3, min_ngram: int = 1, required_gain: float = REQUIRED_GAIN, trees: bool = True,
+                 gate: bool = True):
         if head_size < 1 or max_lookup < 1:
             raise ValueError(f"hybrid: need a head size >= 1 and --max_speculative_tokens >= 1, got {head_size}, "
                              f"{max_lookup}")
@@ -126,6 +127,7 @@ class HybridProposer:
         self.max_lookup, self.max_ngram, self.min_ngram, self.required_gain = max_lookup, max_ngram, min_ngram, \
             required_gain
         self.trees = trees  # False for a target that verifies chains only: one source per step, never both
+        self.gate = gate  # a head-only step tells the head its break-even, for its confidence gate (guard.set_gate)
         self.hidden_state_indices = head.hidden_state_indices
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
@@ -136,7 +138,7 @@ class HybridProposer:
 
     def __copy__(self) -> HybridProposer:  # runtime.proposers.base.per_row
         return HybridProposer(copy.copy(self.head), self.head_size, self.expected_tau, self.costs, self.max_lookup,
-                              self.max_ngram, self.min_ngram, self.required_gain, self.trees)
+                              self.max_ngram, self.min_ngram, self.required_gain, self.trees, self.gate)
 
     @property
     def tree_size(self) -> int:
@@ -230,6 +232,8 @@ class HybridProposer:
         if not m:  # the lookup's chain (or the root alone), as prompt lookup drafts it
             return chain_draft(committed_ids, candidate[:k])
         started = time.perf_counter()
+        if self.gate:  # a head-only step pays where it expects what the best step without it commits in its time
+            set_gate(self.head, self._rate_without * self._cost(1 + m, self._kv_length, True) - 1.0 if not k else 0.0)
         draft = self.head.propose(committed_ids, m)
         self._head_seconds = time.perf_counter() - started
         self._head_nodes = draft.tree.num_nodes

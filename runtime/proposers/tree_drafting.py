@@ -22,6 +22,7 @@ Losslessness with sampling (temperature > 0). Children are filled in one of two 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,6 +154,13 @@ def deeper_can_enter(candidates: Candidates, layer: list[int], total_tokens: int
     return max(candidates.score[n] for n in layer) > threshold
 
 
+def cannot_expect(candidates: Candidates, children: list[int], total_tokens: int, minimum: float) -> bool:
+    """Whether no tree of `total_tokens` nodes kept below the root's `children` (their scores known) can expect
+    `minimum` accepted tokens: a kept node's path probability is at most its depth-1 ancestor's, so the expected
+    tokens of any kept tree (the sum of its nodes' path probabilities) are at most total_tokens x the best child's."""
+    return total_tokens * math.exp(max(candidates.score[n] for n in children)) < minimum
+
+
 def select_nodes(candidates: Candidates, total_tokens: int) -> list[int]:
     """The best `total_tokens` non-root candidates by cumulative score, a node only after its parent.
 
@@ -173,8 +181,10 @@ def select_nodes(candidates: Candidates, total_tokens: int) -> list[int]:
 
 
 def ordered_draft(candidates: Candidates, kept: list[int]) -> Draft:
-    """Kept candidate ids (BFS order, root first) -> Draft with deterministic children (probs None)."""
+    """Kept candidate ids (BFS order, root first) -> Draft with deterministic children (probs None) and, as
+    `expected`, the sum of the kept nodes' path probabilities (exp of their cumulative scores)."""
     index = {node: i for i, node in enumerate(kept)}
     parents = [-1] + [index[candidates.parents[n]] for n in kept[1:]]
     tokens = torch.tensor([candidates.tokens[n] for n in kept], dtype=torch.long)
-    return Draft(tokens=tokens, tree=Tree.from_parents(parents))
+    expected = sum(math.exp(candidates.score[n]) for n in kept[1:])
+    return Draft(tokens=tokens, tree=Tree.from_parents(parents), expected=expected)

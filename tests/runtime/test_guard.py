@@ -346,3 +346,33 @@ def test_a_verify_dearer_than_modelled_shows_beside_plain_steps():
     assert lost_steps <= LOSS_BUDGET * len(drafted) + LOSS_SLACK + 1.3
     assert 1.15 < guard.step_cost < 1.31  # the model said 1.02; measured 1.3, a few probes in
     assert guard.ledger.cost - guard.ledger.tokens == pytest.approx(lost_steps, abs=0.35)  # the first draft: 1.02
+
+
+class _GatedChain(_FixedChain):
+    """A _FixedChain with a confidence gate: records the threshold each propose is given."""
+
+    def __init__(self, draft: Draft):
+        super().__init__(draft)
+        self.min_expected, self.seen = 0.0, []
+
+    def propose(self, committed_ids, max_tokens) -> Draft:
+        self.seen.append(self.min_expected)
+        return Draft(tokens=torch.cat([committed_ids[-1:], self.draft.tokens[1:]]), tree=self.draft.tree)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_each_drafted_step_tells_the_drafter_its_break_even(gate):
+    """With the gate on, the guard sets the drafter's min_expected to the step cost at the sequence's KV length minus
+    one before every draft (a step must expect that many accepted draft tokens to pay); off, it is never touched."""
+    target = TargetModel(stories260k())
+    inner = _GatedChain(Draft(tokens=torch.tensor([0, 5, 6]), tree=Tree.chain(2)))
+    cost = lambda kv_length: 1.2 + kv_length / 1000  # noqa: E731
+    guard = PayingGuard(inner, step_cost=cost, expected_tau=3.0, gate=gate)
+    run_ours(target, guard, PROMPT, _config(12))
+    assert inner.seen
+    if gate:
+        assert all(0.2 < seen < 0.3 for seen in inner.seen)  # 0.2 + kv / 1000 at KV 16..28
+        assert inner.seen == sorted(inner.seen) and inner.seen[0] == pytest.approx(cost(PROMPT.numel() + 1) - 1)
+    else:
+        assert set(inner.seen) == {0.0}
+    assert copy.copy(guard).gate is gate

@@ -608,9 +608,11 @@ def test_rejection_sampling_with_a_draft_vocabulary(name):
     assert chi_square_pvalue(counts_seen, exact) > 1e-3
 
 
-def _eagle2_drafts(monkeypatch, heads, model, prompt, total: int, keep: int, expand_all: bool = False):
+def _eagle2_drafts(monkeypatch, heads, model, prompt, total: int, keep: int, expand_all: bool = False,
+                   min_expected: float = 0.0):
     """One EAGLE-2 propose after `prompt`: (draft, logits rows per level, the candidate tree before selection).
-    expand_all: every level up to the depth and budget is forwarded (no stop once the kept tree is final)."""
+    expand_all: every level up to the depth and budget is forwarded (no stop once the kept tree is final).
+    min_expected: the confidence gate's threshold (0: off)."""
     from runtime.proposers import eagle
 
     proposer = EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=5, top_k=8, total_tokens=total))
@@ -625,8 +627,9 @@ def _eagle2_drafts(monkeypatch, heads, model, prompt, total: int, keep: int, exp
                       or original_logits(o))
         patch.setattr(eagle, "select_nodes", lambda c, n: captured.append(c) or original_select(c, n))
         proposer.stop_when_final = not expand_all
+        proposer.min_expected = min_expected
         draft = proposer.propose(committed, keep)
-    return draft, rows, captured[0]
+    return draft, rows, captured[0] if captured else None  # None: the gate stopped the step at the root
 
 
 def test_eagle2_draft_is_bounded_by_the_budget(monkeypatch):
@@ -662,6 +665,59 @@ def test_eagle2_stops_expanding_once_the_kept_tree_is_final(monkeypatch, seed):
             assert rows == full_rows[:len(rows)]
             saved += sum(full_rows) - sum(rows)
     assert saved > 0  # some level was left out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eagle2_draft_expects_its_path_probabilities(monkeypatch, seed):
+    """Draft.expected of an EAGLE-2 draft is the sum of its kept nodes' path probabilities."""
+    import math
+
+    from runtime.proposers.tree_drafting import select_nodes
+
+    model, sigma = perm_target("llama", seed=seed)
+    for heads in (make_heads("eagle", model, seed=seed), make_heads("eagle", model, sigma, seed=seed)):
+        prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(seed))
+        draft, _, candidates = _eagle2_drafts(monkeypatch, heads, model, prompt, 6, 6, expand_all=True)
+        kept = select_nodes(candidates, 6)
+        assert draft.tree.num_nodes == 7 and 0 < draft.expected <= 6
+        assert draft.expected == pytest.approx(sum(math.exp(candidates.score[n]) for n in kept[1:]), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_confidence_gate(monkeypatch, seed):
+    """With min_expected above budget x the root's best child probability, the step drafts nothing and forwards no
+    level past the root's logits; just under it, the draft is the ungated one (a random head and a sharp one)."""
+    model, sigma = perm_target("llama", seed=seed)
+    for heads in (make_heads("eagle", model, seed=seed), make_heads("eagle", model, sigma, seed=seed)):
+        prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(seed + 5))
+        full, _, candidates = _eagle2_drafts(monkeypatch, heads, model, prompt, 4, 4)
+        best = max(candidates.score[n] for n in range(1, len(candidates.tokens)) if candidates.depth[n] == 1)
+        bound = 4 * torch.tensor(best).exp().item()
+        gated, rows, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, 4, 4, min_expected=bound * 1.001)
+        assert gated.tree.num_nodes == 1 and gated.expected == 0 and rows == [1]
+        assert torch.equal(gated.tokens, full.tokens[:1])
+        passed, _, _ = _eagle2_drafts(monkeypatch, heads, model, prompt, 4, 4, min_expected=bound * 0.999)
+        assert torch.equal(passed.tokens, full.tokens) and torch.equal(passed.tree.parents, full.tree.parents)
+        assert full.expected <= bound + 1e-9
+
+
+def test_confidence_gate_keeps_greedy_output():
+    """A gated EAGLE-2 head (some steps draft nothing, others a tree) decodes exactly what plain greedy does."""
+    model, sigma = perm_target("llama", seed=4)
+    proposer = make_proposer("eagle2", model, sigma, seed=4)
+    prompt = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(8))
+    sizes, original = [], proposer.propose
+
+    def propose(committed, max_tokens):
+        draft = original(committed, max_tokens)
+        sizes.append(draft.tree.num_nodes)
+        return draft
+
+    proposer.propose = propose
+    proposer.min_expected = 1.5
+    tokens, _ = run_loop(model, proposer, prompt, 24)
+    assert torch.equal(tokens[:24], reference(model, prompt, 24))
+    assert 1 in sizes and any(size > 1 for size in sizes)
 
 
 def test_draft_timer_times_every_level():

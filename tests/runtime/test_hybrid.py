@@ -5,6 +5,8 @@ Greedy identity across architectures and the chi-square test of rejection sampli
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -124,6 +126,42 @@ def test_a_head_that_loses_to_the_lookup_alternative_rests_once_over_its_loss_bu
     drafted, hybrid = run(0.03)
     assert all(drafted[:5]) and sum(drafted[-20:]) <= 5
     assert hybrid.ledger.cost - hybrid.ledger.tokens <= LOSS_BUDGET * hybrid.ledger.tokens + LOSS_SLACK + 1.35
+
+
+class _Gated(_Fixed):
+    """A _Fixed head with a confidence gate: records the threshold each propose is given."""
+
+    def __init__(self, draft: Draft):
+        super().__init__(draft)
+        self.min_expected, self.seen = 0.0, []
+
+    def propose(self, committed_ids, max_tokens):
+        self.seen.append(self.min_expected)
+        return super().propose(committed_ids, max_tokens)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_head_only_step_tells_the_head_its_break_even(gate):
+    """Gate on: a step the head drafts alone asks it to expect what the best step without it commits in the head
+    step's time (here plain decoding: the head step's cost in plain steps, minus the root's token); a step with the
+    lookup chain too asks nothing (the head's tokens count only where the chain's first one fails). Off: 0 always."""
+    costs = _costs(0.1)
+    head = _Gated(Draft(tokens=torch.tensor([9, 4, 5]), tree=Tree.from_parents([-1, 0, 0])))
+    hybrid = HybridProposer(head, 2, 3.0, costs, max_lookup=4, gate=gate)
+    prompt = torch.arange(1, 9)  # no repeated n-gram: the head alone
+    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
+    hybrid.propose(prompt, 16)
+    assert hybrid.last_choice == "lookup 0 + head 2"
+    head_step = costs.relative(3, 0, False) + costs.draft(0) / costs.plain_seconds(0)  # KV 8 is in the bucket of 0
+    assert head.seen[-1] == (pytest.approx(head_step / costs.relative(1, 0, False) - 1.0) if gate else 0.0)
+    repeated = torch.tensor([1, 9, 7, 2, 3, 9])  # 9 occurred before: the lookup chain 7 2 3 9 as well
+    cheap = HybridProposer(_Gated(head.draft), 2, 3.0, _costs(0.001, draft=0.0), max_lookup=4, gate=gate)
+    cheap.reset(repeated, {-1: torch.zeros(6, 2)})
+    cheap.head.min_expected = 0.7
+    cheap.propose(repeated, 16)
+    assert cheap.last_choice.startswith("lookup 4 + head 2")
+    assert cheap.head.seen[-1] == (0.0 if gate else 0.7)
+    assert copy.copy(hybrid).gate is gate
 
 
 def test_generate_cli_and_bad_flags(tmp_path, capsys, monkeypatch):
