@@ -154,11 +154,13 @@ def deeper_can_enter(candidates: Candidates, layer: list[int], total_tokens: int
     return max(candidates.score[n] for n in layer) > threshold
 
 
-def cannot_expect(candidates: Candidates, children: list[int], total_tokens: int, minimum: float) -> bool:
-    """Whether no tree of `total_tokens` nodes kept below the root's `children` (their scores known) can expect
-    `minimum` accepted tokens: a kept node's path probability is at most its depth-1 ancestor's, so the expected
-    tokens of any kept tree (the sum of its nodes' path probabilities) are at most total_tokens x the best child's."""
-    return total_tokens * math.exp(max(candidates.score[n] for n in children)) < minimum
+def expected_bound(candidates: Candidates, children: list[int], total_tokens: int, depth: int) -> float:
+    """The most accepted tokens any tree of `total_tokens` nodes below the root's `children` (their scores known), at
+    most `depth` levels deep, can expect (the sum of its nodes' path probabilities). Each level of a child's subtree
+    adds at most the child's probability p (its children's probabilities sum to at most p, and so on down), and takes
+    at least one node: so the bound is the sum of the `total_tokens` largest of every child's p, `depth` times each."""
+    probs = sorted((math.exp(candidates.score[n]) for n in children), reverse=True)
+    return sum([p for p in probs for _ in range(depth)][:total_tokens])
 
 
 def select_nodes(candidates: Candidates, total_tokens: int) -> list[int]:

@@ -685,8 +685,10 @@ def test_eagle2_draft_expects_its_path_probabilities(monkeypatch, seed):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_confidence_gate(monkeypatch, seed):
-    """With min_expected above budget x the root's best child probability, the step drafts nothing and forwards no
-    level past the root's logits; just under it, the draft is the ungated one (a random head and a sharp one)."""
+    """With min_expected above the bound on what a tree of 4 nodes can expect (depth 4 > the budget: every level of
+    the best child's subtree adds at most its probability, so 4 x the best child's), the step drafts nothing and
+    forwards no level past the root's logits; just under it, the draft is the ungated one (a random head and a
+    sharp one)."""
     model, sigma = perm_target("llama", seed=seed)
     for heads in (make_heads("eagle", model, seed=seed), make_heads("eagle", model, sigma, seed=seed)):
         prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(seed + 5))
@@ -718,6 +720,24 @@ def test_confidence_gate_keeps_greedy_output():
     tokens, _ = run_loop(model, proposer, prompt, 24)
     assert torch.equal(tokens[:24], reference(model, prompt, 24))
     assert 1 in sizes and any(size > 1 for size in sizes)
+
+
+def test_expected_bound():
+    """Each level of a child's subtree adds at most the child's probability and takes a node: the bound is the sum of
+    the budget's largest of every child's probability repeated depth times; real subtrees stay under it."""
+    import math
+
+    from runtime.proposers.tree_drafting import Candidates, expected_bound
+
+    c = Candidates.rooted(7)
+    a, b, d = c.add(0, 1, math.log(0.5)), c.add(0, 2, math.log(0.3)), c.add(0, 3, math.log(0.1))
+    assert expected_bound(c, [a, b, d], 3, 1) == pytest.approx(0.9)  # one level: the three children
+    assert expected_bound(c, [a, b, d], 3, 2) == pytest.approx(0.5 + 0.5 + 0.3)
+    assert expected_bound(c, [a, b, d], 8, 2) == pytest.approx(1.8)  # every child twice, budget to spare
+    assert expected_bound(c, [a, b, d], 2, 5) == pytest.approx(1.0)
+    aa, ab = c.add(a, 4, math.log(0.6)), c.add(a, 5, math.log(0.4))  # a's children: 0.3 and 0.2 in all
+    kept = math.exp(c.score[a]) + math.exp(c.score[aa]) + math.exp(c.score[ab])
+    assert kept <= expected_bound(c, [a, b, d], 3, 2) + 1e-12
 
 
 def test_draft_timer_times_every_level():
