@@ -108,7 +108,8 @@ def make_proposer(name: str, model, sigma=None, sampling=None, seed: int = 0, dr
     prompt lookup + the EAGLE-2 heads in one tree (HYBRID_HEAD for another head)."""
     if name.startswith("hybrid"):
         head = make_proposer(HYBRID_HEAD.get(name, "eagle2"), model, sigma, sampling, seed, draft_vocab, **head_options)
-        return HybridProposer(head, head.tree_size, 2.5 if name == "hybrid_medusa" else 2.0, CHEAP_STEPS, max_lookup=6)
+        return HybridProposer(head, head.tree_size, 2.5 if name == "hybrid_medusa" else 2.0, CHEAP_STEPS, max_lookup=6,
+                              gate=True)  # the confidence gate's path too (EAGLE-2 heads)
     kind = {"medusa": "medusa", "eagle2": "eagle", "eagle1": "eagle", "eagle3": "eagle3", "mtp": "mtp"}[name]
     heads = make_heads(kind, model, sigma, seed=seed, **head_options)
     if draft_vocab is not None:
