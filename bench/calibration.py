@@ -22,7 +22,7 @@ of the expected (mean expected and mean accepted in each: equal means calibrated
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,28 +129,27 @@ class ExpectedRecorder:
         self.proposer.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
 
 
+def binned(records: Sequence[tuple[float, Any]], edges: Sequence[float]) -> Iterator[tuple[float, float, list]]:
+    """(lo, hi, the records whose first value lies in [lo, hi)) per bin of `edges`, the last bin closed."""
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        last = i == len(edges) - 2
+        yield lo, hi, [r for r in records if lo <= r[0] and (r[0] < hi or (last and r[0] <= hi))]
+
+
 def expected_bins(records: Sequence[tuple[float, int]], edges: Sequence[float] = EXPECTED_EDGES
                   ) -> list[dict[str, Any]]:
     """Per bin [lo, hi) of the expected (the last one closed): steps, mean expected, mean accepted (None if empty)."""
-    rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-        last = i == len(edges) - 2
-        inside = [(e, a) for e, a in records if lo <= e and (e < hi or (last and e <= hi))]
-        rows.append({"low": lo, "high": hi, "steps": len(inside),
-                     "expected": sum(e for e, _ in inside) / len(inside) if inside else None,
-                     "accepted": sum(a for _, a in inside) / len(inside) if inside else None})
-    return rows
+    return [{"low": lo, "high": hi, "steps": len(inside),
+             "expected": sum(e for e, _ in inside) / len(inside) if inside else None,
+             "accepted": sum(a for _, a in inside) / len(inside) if inside else None}
+            for lo, hi, inside in binned(records, edges)]
 
 
 def confidence_bins(records: Sequence[tuple[float, bool]], edges: Sequence[float] = BIN_EDGES) -> list[dict[str, Any]]:
     """Per bin [lo, hi) (the last one closed): steps, share of all steps, acceptance rate (None if empty)."""
-    rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-        last = i == len(edges) - 2
-        inside = [a for p, a in records if lo <= p and (p < hi or (last and p <= hi))]
-        rows.append({"low": lo, "high": hi, "steps": len(inside), "share": len(inside) / max(len(records), 1),
-                     "acceptance": sum(inside) / len(inside) if inside else None})
-    return rows
+    return [{"low": lo, "high": hi, "steps": len(inside), "share": len(inside) / max(len(records), 1),
+             "acceptance": sum(a for _, a in inside) / len(inside) if inside else None}
+            for lo, hi, inside in binned(records, edges)]
 
 
 def gated_speedup(records: Sequence[tuple[float, bool]], threshold: float, verify_two: float,
