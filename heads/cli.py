@@ -37,7 +37,10 @@ def read_config_mapping(path: str | Path, names: set[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(err).split())})") from err
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
     unknown = sorted(set(values) - names)

@@ -36,6 +36,9 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
         parse_config(["--config", str(recipe)])
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         parse_config(["--config", str(tmp_path / "nope.yaml")])
+    recipe.write_text("method: eagle\n  - : [\n")  # not YAML: one error naming --config and the file, no traceback
+    with pytest.raises(ValueError, match=r"--config .*r\.yaml: not valid YAML \(.*line 2"):
+        parse_config(["--config", str(recipe)])
 
 
 @pytest.mark.parametrize("flags, name", [(["--method", "hydra"], "--method"), (["--report_to", "mlflow"], "--report_to"),
