@@ -51,7 +51,10 @@ first draft is charged the step cost alone: it also fed the head the whole promp
 1,000-token prompt: 0.2-0.33 s, 2-4% of the answer), the one-off price of trying the head that the planner chose
 to pay, and resting would not win it back (charged, even a head that pays would rest after it until probes
 had won the loss back). So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps, its last
-drafted step and its first draft's prompt feed. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
+drafted step and its first draft's prompt feed. A step whose drafter was asked and declined (EAGLE-2's confidence
+gate: it caught up with the committed tokens and read its first logits, then drafted nothing) is charged its measured
+time too, and is neither a plain step for the clock nor a draft for the estimate: priced as a plain step (before), a
+head that kept declining was asked at every step, and its time made plain steps look dearer to the clock. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
 which loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation
 (prior 1.5, a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the
 optimistic reading drafted on through a whole chat turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as
@@ -251,7 +254,7 @@ class PayingGuard:
         self.now = clock  # seconds (tests pass their own)
         # each drafted step tells the drafter its break-even (step cost - 1 tokens), for its confidence gate
         self.gate = gate
-        self._draft_seconds, self._step_started, self._drafted_before = 0.0, 0.0, False
+        self._draft_seconds, self._step_started, self._drafted_before, self._asked = 0.0, 0.0, False, False
         self.tau = RunningTau(expected_tau, prior_steps, decay, confidence)
         self.probes = ProbeSchedule(probe_every, max_probe_every)
         self.ledger = Ledger()
@@ -314,7 +317,7 @@ class PayingGuard:
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         self._step_started = self.now()
         self._kv_length = committed_ids.numel()
-        self._draft_seconds = 0.0
+        self._draft_seconds, self._asked = 0.0, False
         if max_tokens > 0 and self.pays():
             self.probes.paid()
             return self._timed_propose(committed_ids, max_tokens)
@@ -327,7 +330,7 @@ class PayingGuard:
         if self.gate:
             set_gate(self.inner, self.step_cost - 1.0)
         draft = self.inner.propose(committed_ids, max_tokens)
-        self._draft_seconds = self.now() - started
+        self._draft_seconds, self._asked = self.now() - started, True
         return draft
 
     def drafted_step_price(self, step_seconds: float) -> float:
@@ -342,6 +345,15 @@ class PayingGuard:
             return step_seconds / self.clock.plain_seconds(self._kv_length)
         return self.step_cost if self.charge is None else self.charge(self._kv_length, self._draft_seconds)
 
+    def declined_step_price(self, step_seconds: float) -> float:
+        """What the ledger charges a step whose drafter was asked and declined (its confidence gate: it caught up
+        with the committed tokens and computed its first logits, then drafted nothing), in plain steps. Timed: its
+        measured time over a plain step's here, but for the sequence's first ask, charged as a plain step (it fed
+        the drafter the prompt, the one-off price of trying the head, as for a first draft). Untimed: a plain step."""
+        if self.clock is None or not self._drafted_before:
+            return 1.0
+        return max(step_seconds / self.clock.plain_seconds(self._kv_length), 1.0)
+
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
         started = self.now()
@@ -350,6 +362,12 @@ class PayingGuard:
         self._draft_seconds += ended - started  # read only for a drafted step
         drafted = draft.tree.num_nodes > 1
         step_seconds = ended - self._step_started
+        if self._asked and not drafted:  # the drafter was asked and declined (its confidence gate): charged, but
+            # neither a plain step for the clock (its drafter time would make plain steps look dearer) nor a draft
+            # for the tau estimate (the gate chose it, not the text)
+            self.ledger.add(len(accepted_nodes), self.declined_step_price(step_seconds))
+            self._drafted_before = True
+            return
         self.ledger.add(len(accepted_nodes), self.drafted_step_price(step_seconds) if drafted else 1.0)
         if self.clock is not None:
             self._time_step(drafted, step_seconds)

@@ -236,7 +236,7 @@ class HybridProposer:
             set_gate(self.head, self._rate_without * self._cost(1 + m, self._kv_length, True) - 1.0 if not k else 0.0)
         draft = self.head.propose(committed_ids, m)
         self._head_seconds = time.perf_counter() - started
-        self._head_nodes = draft.tree.num_nodes
+        self._head_nodes = draft.tree.num_nodes  # 1: the head was asked and declined (its confidence gate)
         if k:
             draft, _ = merge_chain(draft, candidate[:k].tolist())
         return draft
@@ -250,6 +250,14 @@ class HybridProposer:
             self.head.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
         self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
+        if self._head_nodes == 1:  # asked and declined: charged what the best step without the head commits in
+            # this step's time (its first ask as a plain step of that kind: it fed the head the prompt), neither
+            # timed as a head draft nor observed as one (the gate chose it, not the text)
+            seconds = self._head_seconds if self._head_drafted_before else 0.0
+            self.ledger.add(committed, self._rate_without * self.costs.measured(draft.tree.num_nodes, self._kv_length,
+                                                                                seconds))
+            self._head_drafted_before = True
+            return
         if self._head_nodes > 1:  # charged what the best step without the head commits in this step's real time
             # (the sequence's first head step at the head's modelled time: it also fed the head the prompt, the
             # one-off price of trying it, which resting would not win back)

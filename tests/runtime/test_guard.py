@@ -376,3 +376,43 @@ def test_each_drafted_step_tells_the_drafter_its_break_even(gate):
     else:
         assert set(inner.seen) == {0.0}
     assert copy.copy(guard).gate is gate
+
+
+class _DecliningChain(_SleepyChain):
+    """A drafter whose confidence gate always declines: each propose takes `seconds` on the test's clock (catching
+    up with the committed tokens, its first logits) and returns the root alone."""
+
+    def propose(self, committed_ids, max_tokens) -> Draft:
+        self.clock.seconds += self.seconds
+        self.calls = getattr(self, "calls", 0) + 1
+        return Draft(tokens=committed_ids[-1:], tree=Tree.chain(0))
+
+
+def test_a_drafter_that_keeps_declining_is_charged_and_rested():
+    """Asked steps the drafter declines (its gate) cost their measured time on the ledger (the first ask, which fed
+    it the prompt, as a plain step), are not plain steps for the clock and not drafts for the tau estimate. A drafter
+    that declines at 0.3 of a plain step each time soon rests but for probes, so the sequence loses at most the
+    guard's budget; before (declines priced as plain steps), it was asked at every step and lost 30%."""
+    from runtime.proposers.guard import LOSS_BUDGET, LOSS_SLACK
+
+    clock = _FakeClock()
+    inner = _DecliningChain(Draft(tokens=PROMPT[-3:], tree=Tree.chain(2)), clock, 0.003)
+    guard = PayingGuard(inner, step_cost=lambda kv_length: 1.1, expected_tau=2.0, timed=_costs(0.010, 0.0105, 0.001),
+                        verify_tokens=3, clock=clock, gate=True)
+    committed = PROMPT.clone()
+    steps, seconds = 200, 0.0
+    for _ in range(steps):
+        started = clock.seconds
+        draft = guard.propose(committed, 3)
+        assert draft.tree.num_nodes == 1
+        clock.seconds += 0.010  # the verify of the root alone: a plain step
+        guard.on_accept(committed, draft, [0], None)
+        seconds += clock.seconds - started
+    assert guard.estimated_tau == pytest.approx(2.0)  # no draft observed
+    assert guard.clock.plain_ratio == pytest.approx(1.0)  # the plain steps timed are the real ones (0.010 s)
+    assert inner.calls < 20  # rested but for probes and the asks the budget allows as the answer grows
+    lost = seconds / 0.010 - steps
+    assert guard.ledger.cost - guard.ledger.tokens == pytest.approx(lost - 0.3, abs=1e-6)  # the first ask: plain
+    # the budget, the first ask, the ask that crossed it, and the probes while over it (each at most 0.3)
+    assert lost <= LOSS_BUDGET * steps + LOSS_SLACK + 0.3 + 0.3 + 0.3 * (inner.calls - 3) / 2
+    assert lost / steps < 0.025

@@ -6,6 +6,7 @@ Greedy identity across architectures and the chi-square test of rejection sampli
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -199,3 +200,37 @@ def test_the_python_api_takes_method_hybrid(tmp_path, monkeypatch):
     plain = SpeculativeModel.from_pretrained(str(STORIES260K), method="autoregressive", exact=True)
     assert isinstance(hybrid.proposer, HybridProposer)
     assert hybrid.generate(prompt, max_new_tokens=40).token_ids == plain.generate(prompt, max_new_tokens=40).token_ids
+
+
+class _Declining(_Fixed):
+    """A head whose confidence gate always declines, spending `seconds` on each ask (catching up, its first logits)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(root_only(torch.tensor([1])))
+        self.seconds, self.asked = seconds, 0
+
+    def propose(self, committed_ids, max_tokens):
+        self.asked += 1
+        time.sleep(self.seconds)
+        return root_only(committed_ids)
+
+
+def test_a_head_that_keeps_declining_is_charged_and_rested():
+    """Head-only steps the head declines (its gate) are charged what the best step without it commits in their
+    measured time (the first ask, which fed it the prompt, at the verify's price alone) and are not observed as
+    drafts. A head that spends 0.3 of a plain step on every declined ask rests once over the loss budget; priced as
+    plain steps (before), it was asked at every one of the 60 steps."""
+    plain = 0.01
+    costs = StepCosts([256], [CostCurve([1, 64], [plain, plain * 7.3])], [plain * 0.05])
+    head = _Declining(0.3 * plain)
+    hybrid = HybridProposer(head, 3, 1.8, costs, max_lookup=4, gate=True)
+    prompt = torch.arange(1, 9)  # no repeated n-gram: each step is the head's or plain
+    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
+    for step in range(60):
+        committed = torch.cat([prompt, torch.arange(100, 101 + step)])
+        draft = hybrid.propose(committed, 16)
+        assert draft.tree.num_nodes == 1
+        hybrid.on_accept(committed, draft, [0], {-1: torch.zeros(1, 2)})
+    assert hybrid.tau.mean == pytest.approx(1.8)  # nothing observed: the gate declined, the text was not tried
+    assert hybrid.ledger.cost - hybrid.ledger.tokens >= 0.25 * (head.asked - 1)  # each ask but the first charged
+    assert head.asked < 20  # rested but for probes and what the growing budget allows
