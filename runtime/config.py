@@ -103,8 +103,9 @@ class HeadsOptions:
     cost_kv_length: int = 256  # context length at which the verify cost is measured
     allow_off: bool = True  # auto may turn speculation off when plain decoding is predicted faster
     # EAGLE-2 under the guard or in the hybrid: a step whose root children cannot expect the step's cost back drafts
-    # nothing further (runtime.proposers.eagle: min_expected). Off by default: docs/drafters.md#the-confidence-gate
-    confidence_gate: bool = False
+    # nothing further (runtime.proposers.eagle: min_expected); a declined step is charged on the ledger. On by default
+    # since declined steps are charged (docs/drafters.md#the-confidence-gate)
+    confidence_gate: bool = True
 
     def __post_init__(self) -> None:
         if self.eagle_tree not in EAGLE_TREES:
@@ -156,9 +157,9 @@ class GenerateArguments:
     tree_depth: str = field(default="5", metadata={"help": "EAGLE-2: expansion depth, or 'auto'"})
     tree_top_k: str = field(default="8", metadata={"help": "EAGLE-2: children per expanded node / nodes per level, "
                                                    "or 'auto'"})
-    confidence_gate: bool = field(default=False, metadata={"help": "EAGLE-2 guarded or in the hybrid: a step whose "
+    confidence_gate: bool = field(default=True, metadata={"help": "EAGLE-2 guarded or in the hybrid: a step whose "
                                   "root children cannot expect the step's cost back in accepted tokens drafts nothing "
-                                  "(default false: draft the whole tree whenever the guard or the hybrid drafts)"})
+                                  "(false: draft the whole tree whenever the guard or the hybrid drafts)"})
     max_tree_size: int = field(default=64, metadata={"help": "heads: largest size --tree_size auto considers"})
     max_new_tokens: int = field(default=128, metadata={"help": "stop after this many new tokens"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})

@@ -106,8 +106,8 @@ class EagleProposer:
         # level: its random context says nothing about where text stops, and the planner's cost stays an upper bound.
         self.stop_when_final = True
         # The confidence gate (EAGLE-2 trees): the accepted draft tokens a step must be able to return to pay for
-        # itself, set by the guard or the hybrid before each propose from the step's break-even (0: no gate; opt-in,
-        # --confidence_gate true, docs/drafters.md#the-confidence-gate). Once
+        # itself, set by the guard or the hybrid before each propose from the step's break-even (0: no gate, as
+        # built; --confidence_gate, on by default, docs/drafters.md#the-confidence-gate). Once
         # the root's children are known, `expected_bound` caps what any kept tree can expect (each level of a
         # child's subtree adds at most the child's probability); under the threshold the step stops there and
         # drafts nothing. The draft's path probabilities are calibrated (on 7 prompt kinds, 1,915 steps: drafts
