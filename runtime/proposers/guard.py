@@ -54,11 +54,13 @@ had won the loss back). So a guarded sequence loses at most LOSS_BUDGET of its t
 drafted step and its first draft's prompt feed. A step whose drafter was asked and declined (EAGLE-2's confidence
 gate: it caught up with the committed tokens and read its first logits, then drafted nothing) is charged its measured
 time too, and is neither a plain step for the clock nor a draft for the estimate: priced as a plain step (before), a
-head that kept declining was asked at every step, and its time made plain steps look dearer to the clock. Why: the prior alone lets a head that never accepts draft until its estimate falls under the cost,
-which loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation
-(prior 1.5, a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the
-optimistic reading drafted on through a whole chat turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as
-the cost model predicted).
+head that kept declining was asked at every step, and its time made plain steps look dearer to the clock.
+
+Why the cap: the prior alone lets a head that never accepts draft until its estimate falls under the cost, which
+loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation (prior 1.5,
+a drafted step of 1.10 plain steps), 14 drafted steps at tau 1.0 before resting, 0.91x. And the optimistic reading
+drafted on through a whole chat turn at tau 1.25 against a step of 1.37 plain steps (0.91x, as the cost model
+predicted).
 """
 
 from __future__ import annotations
