@@ -188,7 +188,7 @@ def hybrid_from_heads(heads: str | Path | torch.nn.Module, target: TargetModel, 
 
 
 def guarded(proposer, target: TargetModel, size: int, expected_tau: float,
-            kv_length: int = GUARD_KV_LENGTHS[0], gate: bool = False) -> tuple[PayingGuard, StepCosts]:
+            kv_length: int = GUARD_KV_LENGTHS[0], gate: bool = True) -> tuple[PayingGuard, StepCosts]:
     """`proposer` under a PayingGuard whose break-even is its step's cost at the sequence's KV length (verify over
     size + 1 tokens plus its propose() time, over a plain step), measured here at `kv_length` (the planner's) and
     at the longer lengths of GUARD_KV_LENGTHS; the guard times this sequence's steps against that model

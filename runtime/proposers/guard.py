@@ -240,7 +240,7 @@ class PayingGuard:
                  confidence: float = CONFIDENCE, max_probe_every: int = MAX_PROBE_EVERY,
                  charge: Callable[[int, float], float] | None = None,
                  timed: StepCosts | None = None, verify_tokens: int = 0,
-                 clock: Callable[[], float] = time.perf_counter, gate: bool = False):
+                 clock: Callable[[], float] = time.perf_counter, gate: bool = True):
         cost = step_cost if callable(step_cost) else (lambda kv_length, c=float(step_cost): c)
         if cost(1) <= 0:
             raise ValueError(f"guard: need step_cost > 0, got {cost(1)}")

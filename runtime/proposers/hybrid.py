@@ -118,7 +118,7 @@ class HybridProposer:
 
     def __init__(self, head: Proposer, head_size: int, expected_tau: float, costs: StepCosts, max_lookup: int = 8,
                  max_ngram: int = 3, min_ngram: int = 1, required_gain: float = REQUIRED_GAIN, trees: bool = True,
-                 gate: bool = False):
+                 gate: bool = True):
         if head_size < 1 or max_lookup < 1:
             raise ValueError(f"hybrid: need a head size >= 1 and --max_speculative_tokens >= 1, got {head_size}, "
                              f"{max_lookup}")
