@@ -50,9 +50,11 @@ class TrainConfig:
                               "AVX512-BF16 or AMX when --mixed_precision is bf16/fp16, else float32), float32, "
                               "bfloat16 or float16.", default="auto")
     attn_implementation: str = _help("Attention backend of the target (sdpa, eager).", default="sdpa")
-    dataset: str = _help("Distilled dataset directory (datasets.save_to_disk + manifest.json).", default="")
-    features: str | None = _help("Hidden-state shards directory (data.hidden_states) for offline training; "
-                                 "unset = online (target forward inside the step).", default=None)
+    dataset: str = _help("Distilled dataset directory (datasets.save_to_disk + manifest.json); several, separated by "
+                         "commas, train together (their rows concatenated in the order given).", default="")
+    features: str | None = _help("Hidden-state shards directory (data.hidden_states) for offline training, one per "
+                                 "--dataset directory (comma-separated, same order); unset = online (target "
+                                 "forward inside the step).", default=None)
     allow_other_model: bool = _help("Accept a dataset whose manifest names another model.", default=False)
     max_length: int = _help("Truncate sequences to this many tokens.", default=2048)
 

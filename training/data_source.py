@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,61 +78,99 @@ def assistant_token_counts(rows: Any) -> list[int]:
     return [sum(mask) for mask in rows["loss_mask"]]
 
 
-def load_rows(config: TrainConfig, held_out: bool = False) -> Any:
-    """The rows of --dataset (--eval_dataset when held_out), its manifest checked against --model."""
+def paths_of(value: str | None) -> list[str]:
+    """The directories a --dataset / --features value names: one, or several separated by commas."""
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def load_parts(config: TrainConfig, held_out: bool = False) -> list[Any]:
+    """Each directory of --dataset (--eval_dataset when held_out) loaded, its manifest checked against --model."""
     import dataclasses
 
     import datasets
 
-    flag, dataset = ("--eval_dataset", config.eval_dataset) if held_out else ("--dataset", config.dataset)
-    path = Path(dataset)
-    if not dataset or not path.is_dir():
-        raise FileNotFoundError(f"{flag} {dataset!r}: no such directory (expected a distilled dataset written by "
+    flag, value = ("--eval_dataset", config.eval_dataset) if held_out else ("--dataset", config.dataset)
+    paths = paths_of(value)
+    if not paths:
+        raise FileNotFoundError(f"{flag} {value!r}: no such directory (expected a distilled dataset written by "
                                 "python -m data.distill)")
-    check_manifest(dataclasses.replace(config, dataset=dataset) if held_out else config)
-    rows = datasets.load_from_disk(str(path))
-    missing = {"input_ids", "loss_mask"} - set(rows.column_names)
-    if missing:
-        raise ValueError(f"{flag} {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
-    return rows
+    parts = []
+    for dataset in paths:
+        path = Path(dataset)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{flag} {dataset!r}: no such directory (expected a distilled dataset written by "
+                                    "python -m data.distill)")
+        check_manifest(dataclasses.replace(config, dataset=dataset))
+        rows = datasets.load_from_disk(str(path))
+        missing = {"input_ids", "loss_mask"} - set(rows.column_names)
+        if missing:
+            raise ValueError(f"{flag} {path}: missing column(s) {sorted(missing)}; has {rows.column_names}")
+        parts.append(rows)
+    return parts
+
+
+def concatenate(parts: list[Any]) -> Any:
+    """The parts' rows one after the other (the columns they all have), or the one part as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    import datasets
+
+    shared = [name for name in parts[0].column_names if all(name in part.column_names for part in parts)]
+    return datasets.concatenate_datasets([part.select_columns(shared) for part in parts])
 
 
 def load_training_data(config: TrainConfig, target: nn.Module) -> TrainingData:
     """Load --dataset (checking its manifest against --model) and, with --features, the shard reader."""
-    rows = load_rows(config)
-    features = offline_features(config, rows) if config.features else None
-    return TrainingData(rows, features, pad_token_id(target))
+    parts = load_parts(config)
+    features = offline_features(config, parts) if config.features else None
+    return TrainingData(concatenate(parts), features, pad_token_id(target))
 
 
 class OfflineFeatures:
-    """row -> {"hidden_states.{layer}": [T, H]} from `data.hidden_states` shards (picklable for workers)."""
+    """row -> {"hidden_states.{layer}": [T, H]} from `data.hidden_states` shards, one shard set per dataset part in
+    the order the rows were concatenated (picklable for workers)."""
 
-    def __init__(self, shards: Any) -> None:
+    def __init__(self, shards: list[Any]) -> None:
         self.shards = shards
-        self.layers: list[int] = list(shards.layers)
+        self.starts = [0]
+        for part in shards:
+            self.starts.append(self.starts[-1] + len(part))
+        self.layers: list[int] = sorted(set.intersection(*(set(part.layers) for part in shards)))
 
     def __call__(self, row: int) -> dict[str, Tensor]:
-        return {feature_name(layer): tensor for layer, tensor in self.shards[row].items()}
+        part = bisect.bisect_right(self.starts, row) - 1
+        local = row - self.starts[part]
+        return {feature_name(layer): tensor for layer, tensor in self.shards[part][local].items()
+                if layer in self.layers}
 
 
-def offline_features(config: TrainConfig, rows: Any, held_out: bool = False) -> OfflineFeatures:
-    """Open --features (--eval_features when held_out) and check it was computed by --model on --dataset
-    (--eval_dataset; `rows`, its loaded Dataset), all rows. The dataset is recognised by the path the features
-    recorded or by its content fingerprint (recorded too), so a dataset and its features moved or copied together
-    still match."""
+def offline_features(config: TrainConfig, parts: list[Any], held_out: bool = False) -> OfflineFeatures:
+    """Open --features (--eval_features when held_out; comma-separated, one per --dataset directory) and check each
+    was computed by --model on its dataset (`parts`, the loaded Datasets), all rows. A dataset is recognised by the
+    path the features recorded or by its content fingerprint (recorded too), so a dataset and its features moved or
+    copied together still match."""
     flag, dataset_flag = ("--eval_features", "--eval_dataset") if held_out else ("--features", "--dataset")
-    directory, dataset = (config.eval_features, config.eval_dataset) if held_out else (config.features, config.dataset)
-    shards = HiddenStateShards(directory)
-    index = shards.index
-    fingerprint = dataset_fingerprint(rows)
-    same_dataset = Path(index["dataset"]).resolve() == Path(dataset).resolve() or (
-        fingerprint is not None and index.get("dataset_fingerprint") == fingerprint)
-    if not same_dataset or len(shards) != len(rows):
-        raise ValueError(f"{flag} {directory} holds {len(shards)} samples of {index['dataset']!r}, "
-                         f"not the {len(rows)} rows of {dataset_flag} {dataset}")
-    if not same_model(index["model"], None, config.model):
-        raise ValueError(f"{flag} {directory} were computed by {index['model']!r}, not by --model "
-                         f"{config.model!r}")
+    value, datasets_value = (config.eval_features, config.eval_dataset) if held_out else (config.features,
+                                                                                           config.dataset)
+    directories, dataset_paths = paths_of(value), paths_of(datasets_value)
+    if len(directories) != len(parts):
+        raise ValueError(f"{flag} {value!r} names {len(directories)} feature director"
+                         f"{'y' if len(directories) == 1 else 'ies'} for the {len(parts)} of {dataset_flag} "
+                         f"{datasets_value!r}: give one per dataset, in the same order")
+    shards = []
+    for directory, dataset, rows in zip(directories, dataset_paths, parts, strict=True):
+        part = HiddenStateShards(directory)
+        index = part.index
+        fingerprint = dataset_fingerprint(rows)
+        same_dataset = Path(index["dataset"]).resolve() == Path(dataset).resolve() or (
+            fingerprint is not None and index.get("dataset_fingerprint") == fingerprint)
+        if not same_dataset or len(part) != len(rows):
+            raise ValueError(f"{flag} {directory} holds {len(part)} samples of {index['dataset']!r}, "
+                             f"not the {len(rows)} rows of {dataset_flag} {dataset}")
+        if not same_model(index["model"], None, config.model):
+            raise ValueError(f"{flag} {directory} were computed by {index['model']!r}, not by --model "
+                             f"{config.model!r}")
+        shards.append(part)
     return OfflineFeatures(shards)
 
 

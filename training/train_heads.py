@@ -49,7 +49,8 @@ from training.data_source import (
     TrainingData,
     assistant_token_counts,
     check_feature_layers,
-    load_rows,
+    concatenate,
+    load_parts,
     load_training_data,
     offline_features,
 )
@@ -111,9 +112,9 @@ def held_out(config: TrainConfig, data: TrainingData, counts: list[int]) -> tupl
     --max_train_tokens keeps a seeded subset of the training rows (counts[i]: assistant tokens of row i).
     """
     if config.eval_dataset:
-        rows = load_rows(config, held_out=True)
-        features = offline_features(config, rows, held_out=True) if config.eval_features else None
-        eval_data = TrainingData(rows, features, data.pad_token_id)
+        parts = load_parts(config, held_out=True)
+        features = offline_features(config, parts, held_out=True) if config.eval_features else None
+        eval_data = TrainingData(concatenate(parts), features, data.pad_token_id)
         train_rows = list(range(len(data.rows)))
         eval_rows = list(range(min(config.eval_samples, len(eval_data.rows))))
     else:

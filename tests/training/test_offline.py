@@ -23,13 +23,13 @@ def features_dir(stories_dataset, tmp_path_factory):
     return out
 
 
-def one_batch_loss(args: list[str], train: bool) -> tuple[float, torch.Tensor]:
+def one_batch_loss(args: list[str], train: bool, rows: tuple[int, ...] = (3, 7, 11)) -> tuple[float, torch.Tensor]:
     config = parse_config(args)
     target = load_model(config.model, dtype="float32")
     data = load_training_data(config, target)
     module = build_training_module(config, target, lambda: data.assistant_tokens(list(range(len(data.rows)))))
-    batch = Collator(data.pad_token_id, config.max_length)([IndexedRows(data.rows, [3, 7, 11], data.features)[i]
-                                                            for i in range(3)])
+    batch = Collator(data.pad_token_id, config.max_length)([IndexedRows(data.rows, list(rows), data.features)[i]
+                                                            for i in range(len(rows))])
     assert ("features" in batch) == bool(config.features)
     generator = torch.Generator().manual_seed(0)
     output = module(batch, train=train, generator=generator)
@@ -85,9 +85,39 @@ def test_features_follow_their_dataset_when_both_are_moved(features_dir, stories
     config = parse_config(train_args("eagle", tmp_path / "run") + [f"--features={moved_features}"])
     config.dataset = str(moved_data)
     rows = datasets.load_from_disk(str(moved_data))
-    assert len(offline_features(config, rows).shards) == len(rows)
+    assert len(offline_features(config, [rows]).shards[0]) == len(rows)
     other = rows.map(lambda row: row)  # the same rows under another fingerprint, at another path
     other.save_to_disk(str(tmp_path / "other"))
     config.dataset = str(tmp_path / "other")
     with pytest.raises(ValueError, match="--features .* holds .* samples of .*not the .* rows of --dataset"):
-        offline_features(config, datasets.load_from_disk(str(tmp_path / "other")))
+        offline_features(config, [datasets.load_from_disk(str(tmp_path / "other"))])
+
+
+def test_several_datasets_train_together_each_with_its_features(features_dir, stories_dataset, train_args, tmp_path):
+    """--dataset A,B --features FA,FB: the rows of A then B, each read with its own features (a batch across both
+    gives the online loss); a --features list that does not pair with --dataset is refused, naming --features."""
+    import shutil
+
+    import datasets
+
+    from data.hidden_states import main as hidden_states
+
+    rows = datasets.load_from_disk(str(stories_dataset))
+    second, second_features = tmp_path / "second", tmp_path / "second_features"
+    rows.select(range(len(rows) - 1, 4, -1)).save_to_disk(str(second))  # other rows, in another order
+    shutil.copy(stories_dataset / "manifest.json", second / "manifest.json")
+    hidden_states(["--model", str(STORIES260K), "--dataset", str(second), "--output_dir", str(second_features),
+                   "--layers=1,2,4,-1", "--dtype", "float32", "--model_dtype", "float32", "--shard_size", "16"])
+    args = train_args("eagle", tmp_path / "run", dataset=f"{stories_dataset},{second}")
+    config = parse_config(args)
+    data = load_training_data(config, load_model(config.model, dtype="float32"))
+    assert len(data.rows) == 2 * len(rows) - 5
+    assert data.rows[len(rows)]["input_ids"] == rows[len(rows) - 1]["input_ids"]
+    across = (2, len(rows) - 1, len(rows), len(rows) + 9)
+    for train in (True, False):
+        online, online_hits = one_batch_loss(args, train, across)
+        offline, offline_hits = one_batch_loss(args + [f"--features={features_dir},{second_features}"], train, across)
+        assert offline == pytest.approx(online, rel=1e-5, abs=1e-5)
+        assert offline_hits.equal(online_hits)
+    with pytest.raises(ValueError, match="--features .* names 1 feature directory for the 2 of --dataset"):
+        load_training_data(parse_config(args + [f"--features={features_dir}"]), load_model(config.model))
