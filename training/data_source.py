@@ -91,13 +91,10 @@ def load_parts(config: TrainConfig, held_out: bool = False) -> list[Any]:
 
     flag, value = ("--eval_dataset", config.eval_dataset) if held_out else ("--dataset", config.dataset)
     paths = paths_of(value)
-    if not paths:
-        raise FileNotFoundError(f"{flag} {value!r}: no such directory (expected a distilled dataset written by "
-                                "python -m data.distill)")
     parts = []
-    for dataset in paths:
+    for dataset in paths or [value]:
         path = Path(dataset)
-        if not path.is_dir():
+        if not dataset or not path.is_dir():
             raise FileNotFoundError(f"{flag} {dataset!r}: no such directory (expected a distilled dataset written by "
                                     "python -m data.distill)")
         check_manifest(dataclasses.replace(config, dataset=dataset))
