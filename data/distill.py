@@ -8,7 +8,10 @@
     python -m data.distill --config configs/distill_smollm2.yaml --engine server --server_url http://localhost:8000
 
 What it does, in order:
-1. read the prompts (`data.prompts.read_conversations`); keep system and user messages, drop given answers;
+1. read the prompts (`data.prompts.read_conversations`); keep system and user messages, drop given answers.
+   `--sources NAME=PATH[:CAP] ...` instead of `--prompts` mixes several prompt files (at most CAP conversations
+   of each), interleaved in proportion (`interleave`: each source spread evenly through the list), so shards, the
+   processes' split and a `--max_minutes` cut all keep the mix (e.g. chat plus `data.task_prompts` translations);
 2. split them into shards of `--shard_size` consecutive conversations; under `accelerate launch` process r
    takes shards r, r + N, ...; shards already on disk are skipped (resume);
 3. per shard: the target answers turn 1 of every conversation, then turn 2 (its prompt holds the target's
@@ -57,7 +60,7 @@ from transformers import (
 from data import teacher_forced
 from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_ids, tokenize_conversation
 from data.engines import Answer, HFEngine, RuntimeEngine, Sampling, ServerEngine, VllmEngine
-from data.prompts import Conversation, read_conversations
+from data.prompts import Conversation, SkippedRow, read_conversations
 from data.runfiles import check_run_identity, parse_config, process_state
 from data.shards import MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.cli import run_cli
@@ -103,8 +106,9 @@ class DistillConfig:
     mode: str = _help("generate: the target answers the prompts (self-distillation); teacher_forced: the "
                       "conversations' own answers, tokenised without loading the model (data/teacher_forced.py).",
                       "generate")
-    sources: list[str] | None = _help("teacher_forced: NAME=PATH[:CAP] entries (a prompt file, dataset or "
-                                      "distilled dataset directory; at most CAP conversations of it); default: "
+    sources: list[str] | None = _help("NAME=PATH[:CAP] entries in place of --prompts: prompt files or datasets "
+                                      "(teacher_forced: also distilled dataset directories), at most CAP "
+                                      "conversations of each; generate interleaves them in proportion. Default: "
                                       "--prompts with --max_prompts.")
     eval_fraction: float = _help("teacher_forced: share of conversations (by hash of their first user message) "
                                  "written to OUT/eval instead of OUT, never trained on.", 0.0)
@@ -135,8 +139,6 @@ class DistillConfig:
             raise ValueError(f"--mode must be generate or teacher_forced, got {self.mode!r}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.sources and self.mode != "teacher_forced":
-            raise ValueError("--sources is read by --mode teacher_forced only; use --prompts to generate")
         if self.sources and (self.prompts or self.max_prompts):
             raise ValueError("--sources replaces --prompts and --max_prompts (cap a source with NAME=PATH:CAP)")
         for name in ("model",) if self.sources else ("model", "prompts"):
@@ -327,6 +329,39 @@ def make_engine(config: DistillConfig, target: Target, tokenizer: PreTrainedToke
                         config.max_retries, config.server_prompt, render)
 
 
+def interleave(parts: list[list[Any]]) -> list[Any]:
+    """The items of every part in one list, each part spread evenly through it in its own order: item i of a part
+    of n sits at (i + 1/2) / n of the way (ties: the earlier part first)."""
+    keyed = [((i + 0.5) / len(part), p, i) for p, part in enumerate(parts) for i in range(len(part))]
+    return [parts[p][i] for _, p, i in sorted(keyed)]
+
+
+def read_prompts(config: DistillConfig) -> tuple[list[Conversation], list[SkippedRow]]:
+    """The conversations to answer and the rows skipped: --prompts (at most --max_prompts), or every --sources
+    entry (at most its CAP) interleaved in proportion; a source with no usable conversation is an error naming it."""
+    if not config.sources:
+        conversations, skipped = read_conversations(config.prompts, config.max_prompts, config.split)
+        if not conversations:
+            raise ValueError(f"--prompts {config.prompts}: no usable conversation ({len(skipped)} rows skipped)")
+        return conversations, skipped
+    parts, skipped = [], []
+    for source in teacher_forced.parse_sources(config.sources):
+        if teacher_forced.is_distilled_dataset(source.path):
+            raise ValueError(f"--sources {source.name}={source.path}: a distilled dataset; generate reads prompt "
+                             "files or datasets (teacher_forced reads distilled ones)")
+        try:
+            conversations, rows = read_conversations(source.path, source.cap, config.split)
+        except (FileNotFoundError, ValueError) as err:  # data.prompts names the file as --prompts'
+            message = str(err).replace(f"--prompts {source.path}", f"--sources {source.name}={source.path}", 1)
+            raise type(err)(message) from err
+        if not conversations:
+            raise ValueError(f"--sources {source.name}={source.path}: no usable conversation ({len(rows)} rows "
+                             "skipped)")
+        parts.append(conversations)
+        skipped.extend(SkippedRow(row.line, f"{source.name}: {row.reason}") for row in rows)
+    return interleave(parts), skipped
+
+
 def run_identity(config: DistillConfig, target: Target, tokenizer: PreTrainedTokenizerBase,
                  fmt: ChatFormat, max_length: int) -> dict[str, Any]:
     """What makes two runs' data the same kind: model, template, prompts, generation settings and engine."""
@@ -338,6 +373,7 @@ def run_identity(config: DistillConfig, target: Target, tokenizer: PreTrainedTok
         "tokenizer_sha256": tokenizer_hash(tokenizer),
         "stop_token_ids": list(fmt.stop_token_ids),
         "prompts": config.prompts, "split": config.split, "max_prompts": config.max_prompts,
+        **({"sources": list(config.sources)} if config.sources else {}),
         "shard_size": config.shard_size,
         "generation": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
                        "top_p": config.top_p if not config.greedy else 1.0, "seed": config.seed,
@@ -367,9 +403,7 @@ def run(config: DistillConfig) -> dict[str, Any]:
     if config.mode == "teacher_forced":
         return teacher_forced.run(config)
     state = process_state()
-    conversations, skipped_rows = read_conversations(config.prompts, config.max_prompts, config.split)
-    if not conversations:
-        raise ValueError(f"--prompts {config.prompts}: no usable conversation ({len(skipped_rows)} rows skipped)")
+    conversations, skipped_rows = read_prompts(config)
     tokenizer = load_tokenizer(config.model)
     chat_format(tokenizer, config.plain_format, model_name=config.model)  # fail on a missing template early
     target = load_target(config, state.device)

@@ -247,3 +247,39 @@ def test_yaml_config_defaults_and_unknown_keys(tmp_path):
     recipe.write_text("model: m\nmax_tokens: 9\n")
     with pytest.raises(ValueError, match="unknown key.*max_tokens"):
         distill.parse_config(DistillConfig, ["--config", str(recipe)])
+
+
+def test_interleave_spreads_each_part_evenly_in_its_order():
+    assert distill.interleave([list("abcdef"), ["X", "Y"]]) == list("abXcdeYf")  # X at 1/4, Y at 3/4 of the way
+    assert distill.interleave([[1, 2, 3], []]) == [1, 2, 3]
+    mixed = distill.interleave([list(range(100)), [f"t{i}" for i in range(25)]])
+    assert [x for x in mixed if isinstance(x, int)] == list(range(100))
+    assert [i for i, x in enumerate(mixed) if isinstance(x, str)][:3] == [2, 7, 12]  # one in five, from the start
+
+
+def test_generate_from_several_sources_interleaves_them_and_records_them(reference, prompts, tmp_path):
+    """--sources in generate mode: each source capped, the conversations interleaved in proportion, every answer the
+    one the target gives to that prompt alone (the runtime engine is batch-invariant: the chat rows equal a run of
+    --prompts alone), the sources in the manifest and in the run's identity; a missing or distilled source is an
+    error naming --sources."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"prompt": f"Translate into French: the cat number {i}."})
+                               for i in range(3)) + "\n")
+    output_dir = tmp_path / "out"
+    exact = dict(engine="runtime", dtype="float32")
+    manifest = run(config(None, output_dir, sources=[f"chat={prompts}:4", f"fr={other}:2"], **exact))
+    data = rows(output_dir)
+    firsts = [json.loads(c)[0]["content"] for c in data["conversation"]]
+    assert [text.startswith("Translate") for text in firsts] == [False, True, False, False, True, False]
+    assert manifest["sources"] == [f"chat={prompts}:4", f"fr={other}:2"] and manifest["conversations_read"] == 6
+    assert manifest["skipped_row_details"][0]["reason"].startswith("chat: ")  # line 3 of the chat file
+    run(config(prompts, tmp_path / "alone", max_prompts=4, **exact))
+    whole = rows(tmp_path / "alone")
+    chat_rows = [i for i, text in enumerate(firsts) if not text.startswith("Translate")]
+    assert [data["input_ids"][i] for i in chat_rows] == whole["input_ids"][:4]
+    with pytest.raises(ValueError, match="other settings"):  # another mix is another run
+        run(config(None, output_dir, sources=[f"chat={prompts}:4", f"fr={other}:3"], **exact))
+    with pytest.raises(FileNotFoundError, match=r"--sources nope=/no/such\.jsonl: no such file"):
+        run(config(None, tmp_path / "x", sources=["nope=/no/such.jsonl"]))
+    with pytest.raises(ValueError, match="--sources d=.*a distilled dataset"):
+        run(config(None, tmp_path / "y", sources=[f"d={reference[0]}"]))
