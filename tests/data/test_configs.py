@@ -8,10 +8,12 @@ import pytest
 from data.distill import DistillConfig
 from data.hidden_states import HiddenStatesConfig
 from data.runfiles import parse_config
+from data.task_prompts import TaskPromptsConfig
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = {"distill": ("-m data.distill", DistillConfig), "data": ("-m data.distill", DistillConfig),
-            "features": ("-m data.hidden_states", HiddenStatesConfig)}
+            "features": ("-m data.hidden_states", HiddenStatesConfig),
+            "prompts": ("-m data.task_prompts", TaskPromptsConfig)}
 RECIPES = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.stem.split("_")[0] in COMMANDS)
 
 
@@ -25,7 +27,7 @@ def test_data_recipe_parses_with_its_command(recipe: Path):
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# ") and command in first and f"configs/{recipe.name}" in first
     config = parse_config(cls, ["--config", str(recipe)])
-    assert config.model and config.output_dir
+    assert (config.text and config.output) if cls is TaskPromptsConfig else (config.model and config.output_dir)
 
 
 def test_unknown_key_in_a_data_recipe_is_refused(tmp_path):
