@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's main job on a tiny setting from a COLD cache: the same five commands (translation prompts; distil ->
-# hidden states -> train, 2 processes under `accelerate launch`; then the bench), the same recipes with smaller sizes,
+# The README's main job on a tiny setting from a COLD cache: the same four commands (2 processes under
+# `accelerate launch`: distil -> hidden states -> train; then the bench), the same recipes with smaller sizes,
 # SPECHEADS_CACHE and the Hugging Face caches pointed at an empty temporary directory, so the GGUF conversion,
 # the verify check, the layout choice, the kernel build and the cost curves are all built from nothing by two
 # processes at once. Run by .ci/run; about 3-4 minutes on 2 cores.
@@ -13,10 +13,8 @@ export SPECHEADS_CACHE="$work/cache" HF_HOME="$work/hf" HF_DATASETS_CACHE="$work
 launch=(accelerate launch --config_file configs/accelerate/cpu_2proc.yaml)
 out="$work/outputs"
 start=$(date +%s)
-python -m data.task_prompts --config configs/prompts_translate_main.yaml --count 4 --output "$out/translate.jsonl"
 "${launch[@]}" -m data.distill --config configs/distill_smollm2_main.yaml --output_dir "$out/distill" \
-    --sources sharegpt=../shared/data/sharegpt_prompts.jsonl:12 translate="$out/translate.jsonl":4 \
-    --max_new_tokens 16 --batch_size 4 --shard_size 4
+    --max_prompts 16 --max_new_tokens 16 --batch_size 4 --shard_size 4
 "${launch[@]}" -m data.hidden_states --config configs/features_smollm2_main.yaml --dataset "$out/distill" \
     --output_dir "$out/features"
 "${launch[@]}" training/train_heads.py --config configs/eagle_smollm2_main.yaml --dataset "$out/distill" \
