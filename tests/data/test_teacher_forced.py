@@ -170,7 +170,7 @@ def test_flags_from_the_command_line(tmp_path):
     manifest = main(["--mode", "teacher_forced", "--model", str(SMOLLM2), "--sources", f"x={source}:1",
                      "--output_dir", str(tmp_path / "cli"), "--max_length", "128"])
     assert manifest["conversations_written"] == 1
-    with pytest.raises(ValueError, match="--sources is read by --mode teacher_forced only"):
-        DistillConfig(model=str(SMOLLM2), sources=[source], output_dir=str(tmp_path / "x"))
+    generate = DistillConfig(model=str(SMOLLM2), sources=[source], output_dir=str(tmp_path / "x"))  # generate mixes
+    assert generate.mode == "generate" and generate.sources == [source]  # sources too (tests/data/test_distill.py)
     with pytest.raises(ValueError, match="--sources replaces --prompts"):
         DistillConfig(mode="teacher_forced", model=str(SMOLLM2), sources=[source], prompts=source, output_dir="x")
