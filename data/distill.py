@@ -62,6 +62,7 @@ from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_
 from data.engines import Answer, HFEngine, RuntimeEngine, Sampling, ServerEngine, VllmEngine
 from data.prompts import Conversation, SkippedRow, read_conversations
 from data.runfiles import check_run_identity, parse_config, process_state
+from data.runfiles import help_field as _help
 from data.shards import MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.cli import run_cli
 from heads.files import atomic_write_json
@@ -72,10 +73,6 @@ from runtime.verify_check import prepare_target
 ENGINES = ("runtime", "hf", "vllm", "server")
 BUDGET_PREFIX = "budget-stop-"  # shards/budget-stop-<process>.json: the shards a process left for --max_minutes
 FORMAT_VERSION = 1
-
-
-def _help(text: str, default: Any = None) -> Any:
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +21,11 @@ from heads.files import atomic_write_json
 
 T = TypeVar("T")
 RUN_FILE = "run.json"
+
+
+def help_field(text: str, default: Any = None) -> Any:
+    """A dataclass field with its --help text (the flag classes of the data CLIs)."""
+    return field(default=default, metadata={"help": text})
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None) -> T:

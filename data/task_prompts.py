@@ -24,9 +24,9 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 from data.prompts import read_conversations
+from data.runfiles import help_field as _help
 from data.runfiles import parse_config
 from heads.cli import run_cli
 from heads.files import atomic_write_jsonl
@@ -43,10 +43,6 @@ def translate_prompts(texts: list[str], languages: list[str]) -> list[str]:
 
 
 TASKS = {"translate": translate_prompts}
-
-
-def _help(text: str, default: Any = None) -> Any:
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass
