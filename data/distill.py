@@ -346,11 +346,8 @@ def read_prompts(config: DistillConfig) -> tuple[list[Conversation], list[Skippe
         if teacher_forced.is_distilled_dataset(source.path):
             raise ValueError(f"--sources {source.name}={source.path}: a distilled dataset; generate reads prompt "
                              "files or datasets (teacher_forced reads distilled ones)")
-        try:
-            conversations, rows = read_conversations(source.path, source.cap, config.split)
-        except (FileNotFoundError, ValueError) as err:  # data.prompts names the file as --prompts'
-            message = str(err).replace(f"--prompts {source.path}", f"--sources {source.name}={source.path}", 1)
-            raise type(err)(message) from err
+        conversations, rows = read_conversations(source.path, source.cap, config.split,
+                                                 label=f"--sources {source.name}={source.path}")
         if not conversations:
             raise ValueError(f"--sources {source.name}={source.path}: no usable conversation ({len(rows)} rows "
                              "skipped)")

@@ -141,7 +141,7 @@ def parse_row(row: Any, fmt: str) -> Conversation:
     return conversation
 
 
-def _json_rows(path: Path) -> tuple[list[tuple[int, Any]], list[SkippedRow]]:
+def _json_rows(path: Path, label: str) -> tuple[list[tuple[int, Any]], list[SkippedRow]]:
     """(line or index, parsed row) pairs of a JSON list / JSONL file, and the lines that are not JSON."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
@@ -152,7 +152,7 @@ def _json_rows(path: Path) -> tuple[list[tuple[int, Any]], list[SkippedRow]]:
         if isinstance(data, list):
             return list(enumerate(data)), []
         if isinstance(data, dict):
-            raise ValueError(f"--prompts {path}: a .json file must hold a list of rows, got an object "
+            raise ValueError(f"{label}: a .json file must hold a list of rows, got an object "
                              f"with keys {sorted(data)[:10]}")
     rows, bad = [], []
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
@@ -163,12 +163,12 @@ def _json_rows(path: Path) -> tuple[list[tuple[int, Any]], list[SkippedRow]]:
         except json.JSONDecodeError as err:
             bad.append(SkippedRow(number, f"not JSON: {err.msg}"))
     if not rows:
-        raise ValueError(f"--prompts {path}: not a JSON list or JSON Lines file "
+        raise ValueError(f"{label}: not a JSON list or JSON Lines file "
                          f"(no line parses as JSON{'; first error: ' + bad[0].reason if bad else ''})")
     return rows, bad
 
 
-def _dataset_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
+def _dataset_rows(source: str, split: str, label: str) -> Iterator[tuple[int, Any]]:
     import datasets  # imported lazily: reading a JSONL file should not pay for it
 
     path = Path(source)
@@ -176,7 +176,7 @@ def _dataset_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
         if path.is_file():
             builder = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}.get(path.suffix)
             if builder is None:
-                raise ValueError(f"--prompts {source}: unsupported file type {path.suffix!r}; expected "
+                raise ValueError(f"{label}: unsupported file type {path.suffix!r}; expected "
                                  ".json, .jsonl, .parquet, .csv or a dataset directory")
             dataset = datasets.load_dataset(builder, data_files=str(path), split=split)
         elif path.is_dir() and (path / "state.json").is_file():
@@ -184,18 +184,18 @@ def _dataset_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
         else:
             dataset = datasets.load_dataset(source, split=split)
     except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
-        raise FileNotFoundError(f"--prompts {source}: not a file, directory or loadable dataset ({err})") from err
+        raise FileNotFoundError(f"{label}: not a file, directory or loadable dataset ({err})") from err
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
-            raise ValueError(f"--prompts {source}: no split {split!r}; has {sorted(dataset)}")
+            raise ValueError(f"{label}: no split {split!r}; has {sorted(dataset)}")
         dataset = dataset[split]
     if detect_format(dataset.column_names) is None:
-        raise ValueError(f"--prompts {source}: no recognised column in {dataset.column_names}; "
+        raise ValueError(f"{label}: no recognised column in {dataset.column_names}; "
                          f"expected one of {list(FORMAT_COLUMNS)}")
     yield from enumerate(dataset)
 
 
-def read_conversations(source: str, max_rows: int | None = None, split: str = "train"
+def read_conversations(source: str, max_rows: int | None = None, split: str = "train", label: str | None = None
                        ) -> tuple[list[Conversation], list[SkippedRow]]:
     """Read up to `max_rows` conversations from a prompt file or dataset.
 
@@ -204,22 +204,24 @@ def read_conversations(source: str, max_rows: int | None = None, split: str = "t
     or 0-based row index (JSON list, datasets) and the reason. Raises FileNotFoundError / ValueError
     naming `source` when it cannot be read at all or has no recognised column.
     """
-    numbered, skipped = read_numbered_conversations(source, max_rows, split)
+    numbered, skipped = read_numbered_conversations(source, max_rows, split, label)
     return [conversation for _, conversation in numbered], skipped
 
 
-def read_numbered_conversations(source: str, max_rows: int | None = None, split: str = "train"
-                                ) -> tuple[list[tuple[int, Conversation]], list[SkippedRow]]:
-    """`read_conversations`, each conversation with its line / row number (as SkippedRow.line counts)."""
+def read_numbered_conversations(source: str, max_rows: int | None = None, split: str = "train",
+                                label: str | None = None) -> tuple[list[tuple[int, Conversation]], list[SkippedRow]]:
+    """`read_conversations`, each conversation with its line / row number (as SkippedRow.line counts). Errors name
+    the source as `label` (default "--prompts SOURCE"; a --sources entry passes its own)."""
+    label = label or f"--prompts {source}"
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"--max_prompts must be >= 1, got {max_rows}")
     path = Path(source)
     if path.is_file() and path.suffix in (".json", ".jsonl"):
-        rows, skipped = _json_rows(path)
+        rows, skipped = _json_rows(path, label)
     elif path.is_file() or path.is_dir() or not source.startswith((".", "/", "~")):
-        rows, skipped = _dataset_rows(source, split), []
+        rows, skipped = _dataset_rows(source, split, label), []
     else:
-        raise FileNotFoundError(f"--prompts {source}: no such file or directory")
+        raise FileNotFoundError(f"{label}: no such file or directory")
 
     conversations: list[tuple[int, Conversation]] = []
     fmt = None
@@ -237,7 +239,7 @@ def read_numbered_conversations(source: str, max_rows: int | None = None, split:
             skipped = [row for row in skipped if row.line <= number]  # lines past the cut were not read
             break
     if not conversations and fmt is None:
-        raise ValueError(f"--prompts {source}: no row has a recognised column; expected one of "
+        raise ValueError(f"{label}: no row has a recognised column; expected one of "
                          f"{list(FORMAT_COLUMNS)}")
     skipped.sort(key=lambda row: row.line)
     return conversations, skipped
