@@ -35,6 +35,7 @@ from heads.files import atomic_write_json
 from heads.loading import dtype_name
 from runtime import kernels
 from runtime.layout import model_fingerprint
+from runtime.proposers.base import pending_entries
 from runtime.target import TargetModel
 from runtime.timing import (
     device_name,
@@ -265,6 +266,8 @@ class DraftTimer:
         self.committed = torch.cat([self.prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
         self.sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
+    feed_seconds = 0.0  # of the last proposer timed: seconds per committed entry its first propose fed at once
+
     def seconds(self, proposer, repeats: int = 3) -> float:
         """Median seconds of the proposer's part of one decode step at its own size: on_accept of the previous
         draft (its root alone accepted, one new token committed) and the next propose(), which feeds the draft its
@@ -282,7 +285,12 @@ class DraftTimer:
     def _seconds(self, proposer, repeats: int) -> float:
         proposer.reset(self.prompt, self.hidden)
         committed = self.committed
+        entries = pending_entries(proposer)
+        self.sync()
+        start = time.perf_counter()
         draft = proposer.propose(committed, proposer.tree_size)  # feeds the context into the draft's own cache
+        self.sync()
+        first = time.perf_counter() - start
         times = []
         for _ in range(repeats):
             committed = torch.cat([committed, committed[-1:]])  # the bonus token of a step that accepted nothing
@@ -294,7 +302,10 @@ class DraftTimer:
             draft = proposer.propose(committed, proposer.tree_size)
             self.sync()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        step = statistics.median(times)
+        # the first propose fed the whole context in one call: its time beyond a step's, per entry beyond one
+        self.feed_seconds = max(first - step, 0.0) / (entries - 1) if entries > 1 else 0.0
+        return step
 
 
 GUARD_KV_LENGTHS = (256, 1024, 2048)  # where step costs are measured; in between they are interpolated
@@ -322,11 +333,15 @@ class StepCosts:
     kv_lengths: list[int]
     curves: list[CostCurve]
     draft_seconds: list[float] | None = None  # the drafter at each KV length; None: a drafter that costs nothing
+    # seconds per entry a stateful drafter feeds beyond the one of a step (after resting, runtime.proposers.base.
+    # pending_entries), at each KV length; None: nothing to feed
+    feed_seconds: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.kv_lengths or list(self.kv_lengths) != sorted(set(self.kv_lengths)) \
                 or len(self.curves) != len(self.kv_lengths) \
-                or (self.draft_seconds is not None and len(self.draft_seconds) != len(self.kv_lengths)):
+                or any(times is not None and len(times) != len(self.kv_lengths)
+                       for times in (self.draft_seconds, self.feed_seconds)):
             raise ValueError(f"step costs: need increasing KV lengths with one curve (and draft time) each, got "
                              f"{self.kv_lengths}, {len(self.curves)} curves")
 
@@ -340,6 +355,12 @@ class StepCosts:
         if self.draft_seconds is None:
             return 0.0
         return max(interpolate(self.kv_lengths, self.draft_seconds, kv_length), 0.0)
+
+    def feed(self, entries: int, kv_length: int) -> float:
+        """Seconds a drafter spends feeding `entries` pending entries beyond the one that `draft` includes."""
+        if self.feed_seconds is None or entries <= 1:
+            return 0.0
+        return (entries - 1) * max(interpolate(self.kv_lengths, self.feed_seconds, kv_length), 0.0)
 
     def relative(self, tokens: int, kv_length: int, drafting: bool = True) -> float:
         """(verify over `tokens` query tokens [+ the drafter's time]) / a plain step, both at `kv_length`."""
@@ -364,7 +385,11 @@ def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
     wanted = (first_kv_length, *(kv for kv in GUARD_KV_LENGTHS if kv > first_kv_length))
     lengths = sorted({kv_length_within(target, kv, max_tokens) for kv in wanted})
     curves = [verify_cost_curve(target, kv_length=kv, max_tokens=max_tokens, repeats=7) for kv in lengths]
-    draft = None
+    draft, feed = None, None
     if proposer is not None:
-        draft = [DraftTimer(target, kv, tuple(proposer.hidden_state_indices)).seconds(proposer) for kv in lengths]
-    return StepCosts(lengths, curves, draft)
+        draft, feed = [], []
+        for kv in lengths:
+            timer = DraftTimer(target, kv, tuple(proposer.hidden_state_indices))
+            draft.append(timer.seconds(proposer))
+            feed.append(timer.feed_seconds)
+    return StepCosts(lengths, curves, draft, feed)

@@ -66,6 +66,13 @@ def per_row(proposer: Proposer, rows: int) -> list[Proposer]:
     return [proposer] + [copy.copy(proposer) for _ in range(rows - 1)]
 
 
+def pending_entries(proposer) -> int:
+    """Committed entries a stateful drafter has been given but not yet run through its own layers (an EAGLE or MTP
+    layer feeds them at its next propose, in one call): what that propose pays for before drafting anything. 0 for a
+    drafter without such state."""
+    return int(getattr(proposer, "pending_entries", 0))
+
+
 def chain_draft(committed_ids: torch.Tensor, tokens: torch.Tensor) -> Draft:
     """A chain of `tokens` [k] below the root (committed_ids[-1]): what prompt lookup and the oracle draft."""
     return Draft(tokens=torch.cat([committed_ids[-1:], tokens]), tree=Tree.chain(tokens.numel()))

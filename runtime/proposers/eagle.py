@@ -149,6 +149,11 @@ class EagleProposer:
         """Non-root nodes per draft (the budget the loop should allow)."""
         return self.tree.tree.num_nodes - 1 if self.tree is not None else self.dynamic.total_tokens
 
+    @property
+    def pending_entries(self) -> int:
+        """Entries whose features are known but not yet fed to the draft layer (runtime.proposers.base)."""
+        return 0 if self._pending is None else int(self._pending.shape[0])
+
     def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         if not prefill_hidden:
             raise ValueError(f"{type(self).__name__} needs the target's hidden states (hidden_state_indices)")

@@ -8,9 +8,15 @@ plain step), and takes the best of:
 
     plain          1                                   / 1
     lookup k       E_l(k) = 1 + sum_{j<=k} prod a_i    / verify(1 + k)
-    head m         tau_h                               / (verify(1 + m) + draft)      / HEAD_MARGIN
-    both           E_l(k) + (1 - a_1) (tau_h - 1)      / (verify(1 + k + m) + draft)  / HEAD_MARGIN
+    head m         tau_h                               / (verify(1 + m) + draft + feed)      / HEAD_MARGIN
+    both           E_l(k) + (1 - a_1) (tau_h - 1)      / (verify(1 + k + m) + draft + feed)  / HEAD_MARGIN
 
+feed is what the head pays before it can draft: the committed entries it missed while it rested (its state keeps
+the target's features of every committed token, and an EAGLE or MTP layer runs them through in one call at its next
+propose; runtime.proposers.base.pending_entries), at the per-entry time measured when the costs were
+(runtime.cost_model.StepCosts.feed). After 40 lookup steps of a copied answer a head has ~400 entries to feed: 50 ms,
+1.4 plain steps of SmolLM2-135M, measured on this project's CPU, where its own draft costs 4 ms; priced at the draft
+alone, the "both" option looked cheap and the first head step after a copied stretch cost a step and a half.
 k is what prompt lookup alone would draft (runtime.proposers.prompt_lookup: the prefix length of the match that
 pays most per unit cost, by this sequence's learned conditional acceptances a_i, with its REQUIRED_GAIN margin over a
 plain step), m is the head's planned size, tau_h this sequence's accepted length per head draft (a RunningTau whose
@@ -42,7 +48,7 @@ import time
 import torch
 
 from runtime.cost_model import StepCosts
-from runtime.proposers.base import Draft, Proposer, chain_draft, root_only
+from runtime.proposers.base import Draft, Proposer, chain_draft, pending_entries, root_only
 from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau, set_gate
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
@@ -155,6 +161,7 @@ class HybridProposer:
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
         self._draft_ratio, self._head_drafted_before = RatioMean(), False  # the head's measured / modelled draft
+        self._pending = 0  # entries the head had to feed at the last propose (what it missed while resting)
         self.last_choice = ""
 
     def _table(self, kv_length: int) -> tuple[list[float], float]:
@@ -169,11 +176,14 @@ class HybridProposer:
             table = self._tables[bucket] = (verify, self.costs.draft(kv) / self.costs.plain_seconds(kv))
         return table
 
-    def _cost(self, tokens: int, kv_length: int, drafting: bool) -> float:
+    def _cost(self, tokens: int, kv_length: int, drafting: bool, pending: int = 0) -> float:
         """costs.relative at the step's KV bucket (`_table`), the head's draft time (drafting) scaled by what it
-        measured in this sequence."""
+        measured in this sequence, plus feeding the `pending` entries it missed while resting."""
         verify, draft = self._table(kv_length)
-        return verify[tokens - 1] + (self.draft_ratio * draft if drafting else 0.0)
+        if not drafting:
+            return verify[tokens - 1]
+        feed = self.costs.feed(pending, kv_length) / self.costs.plain_seconds(kv_length) if pending > 1 else 0.0
+        return verify[tokens - 1] + self.draft_ratio * (draft + feed)
 
     @property
     def draft_ratio(self) -> float:
@@ -184,29 +194,31 @@ class HybridProposer:
         return self._draft_ratio.mean()
 
     def _time_head(self, kv_length: int) -> None:
-        modelled = self.costs.draft(kv_length)
+        modelled = self.costs.draft(kv_length) + self.costs.feed(self._pending, kv_length)
         if self._head_drafted_before and modelled > 0:
             self._draft_ratio.observe(self._head_seconds, modelled)
         self._head_drafted_before = True
 
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
-             head_tau: float, probe: bool) -> tuple[int, int]:
+             head_tau: float, probe: bool, pending: int = 0) -> tuple[int, int]:
         """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
-        options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau)
+        options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau, pending)
         return best_option({key: rate for key, rate in options.items() if key[1]} if probe else options)
 
     def options(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
-                head_tau: float) -> dict[tuple[int, int], float]:
-        """{(k, m): expected tokens per plain step's time} of the step's choices (the module docstring's table)."""
+                head_tau: float, pending: int = 0) -> dict[tuple[int, int], float]:
+        """{(k, m): expected tokens per plain step's time} of the step's choices (the module docstring's table);
+        `pending`: entries the head must feed before it drafts (what it missed while resting)."""
         plain_costs = self._table(kv_length)[0][:match_length + 1]
         k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
         lookup_tokens = expected_tokens(acceptance, k)
         options = {(k, 0): lookup_tokens / plain_costs[k]}
         if head_tokens:
-            options[(0, head_tokens)] = head_tau / self._cost(1 + head_tokens, kv_length, True) / HEAD_MARGIN
+            options[(0, head_tokens)] = head_tau / self._cost(1 + head_tokens, kv_length, True, pending) / HEAD_MARGIN
             if k and self.trees:
                 both = lookup_tokens + (1 - acceptance[0]) * (head_tau - 1)
-                options[(k, head_tokens)] = both / self._cost(1 + k + head_tokens, kv_length, True) / HEAD_MARGIN
+                options[(k, head_tokens)] = both / self._cost(1 + k + head_tokens, kv_length, True, pending) / \
+                    HEAD_MARGIN
         return options
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
@@ -219,7 +231,9 @@ class HybridProposer:
         if n:
             self.lookup.offered(n, candidate, committed_ids.numel())
         head_tokens = min(self.head_size, max_tokens)
-        options = self.options(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic)
+        self._pending = pending_entries(self.head)
+        options = self.options(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic,
+                               self._pending)
         without = {key: rate for key, rate in options.items() if not key[1]}
         k, m = best_option(without if self.ledger.losing else options)  # over its loss budget the head rests
         if m:

@@ -57,6 +57,11 @@ class MTPProposer:
     def tree_size(self) -> int:
         return self.chain.tree.num_nodes - 1
 
+    @property
+    def pending_entries(self) -> int:
+        """Entries whose target hidden states are known but not yet fed to depth 0 (runtime.proposers.base)."""
+        return 0 if not self._known or self._known[0] is None else int(self._known[0].shape[0])
+
     def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         if not prefill_hidden:
             raise ValueError("MTPProposer needs the target's hidden states (hidden_state_indices)")

@@ -21,7 +21,7 @@ from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.cost_model import CostCurve, DraftTimer, StepCosts
 from runtime.loop import GenerationStats, generate
-from runtime.proposers.base import Draft
+from runtime.proposers.base import Autoregressive, Draft, pending_entries
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.factory import HeadsOptions, accuracy_table, proposer_from_heads
@@ -751,6 +751,24 @@ def test_draft_timer_times_every_level():
     proposer._dynamic_draft = lambda *args: seen.append(proposer.stop_when_final) or original(*args)
     DraftTimer(TargetModel(model), 16, proposer.hidden_state_indices).seconds(proposer)
     assert seen and not any(seen) and proposer.stop_when_final
+
+
+def test_draft_timer_measures_what_feeding_missed_entries_costs():
+    """The first propose on the timer's context feeds its entries in one call: the time beyond a step's, per entry,
+    is the feed cost a head pays after resting (runtime.proposers.hybrid); pending_entries counts what is left."""
+    model = tiny_model("llama")
+    proposer = EagleProposer(make_heads("eagle", model, seed=2), model,
+                             dynamic=DynamicTreeConfig(depth=2, top_k=2, total_tokens=3))
+    timer = DraftTimer(TargetModel(model), 64, proposer.hidden_state_indices)
+    timer.seconds(proposer)
+    assert timer.feed_seconds > 0
+    proposer.reset(timer.prompt, timer.hidden)
+    assert pending_entries(proposer) == 64  # the prompt's entries, all waiting
+    proposer.propose(timer.committed, 3)
+    assert pending_entries(proposer) == 0
+    assert pending_entries(Autoregressive()) == 0  # a drafter without such state
+    costs = StepCosts([64], [CostCurve([1, 8], [1.0, 1.5])], [0.01], [timer.feed_seconds])
+    assert costs.feed(1, 64) == 0.0 and costs.feed(11, 64) == pytest.approx(10 * timer.feed_seconds)
 
 
 def test_deeper_can_enter():

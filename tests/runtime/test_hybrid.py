@@ -102,6 +102,23 @@ def test_each_step_goes_to_the_source_that_pays_at_this_kv_length():
     assert 0 in chains.plan(256, [0.7] * 6, 6, 4, 3.0, probe=False)
 
 
+def test_a_rested_head_pays_for_the_entries_it_must_feed_before_it_drafts():
+    """After a run of lookup steps the head has hundreds of committed entries to feed before it can draft: that
+    time is part of its step. The same promise pays with a step's feed, not with 400 entries to catch up on."""
+    costs = StepCosts([256], [CostCurve([1, 64], [1.0, 1.0 + 0.01 * 63])], [0.05], [0.004])
+    hybrid = HybridProposer(_Fixed(root_only(torch.tensor([1]))), 4, 1.8, costs, max_lookup=6)
+    both = [0.6] * 6
+    assert hybrid.plan(256, both, 6, 4, 2.5, probe=False, pending=2)[1] == 4
+    assert hybrid.plan(256, both, 6, 4, 2.5, probe=False, pending=400) == (hybrid.plan(256, both, 6, 0, 2.5, False)[0], 0)
+    head = _Fixed(Draft(tokens=torch.tensor([9, 4]), tree=Tree.chain(1)))
+    head.pending_entries = 400
+    rested = HybridProposer(head, 1, 2.0, costs, max_lookup=4)
+    rested.reset(torch.arange(1, 9), {-1: torch.zeros(8, 2)})
+    assert rested.propose(torch.arange(1, 9), 16).tree.num_nodes == 1  # plain: a head step would cost 2.7 steps
+    head.pending_entries = 1
+    assert rested.propose(torch.arange(1, 9), 16).tree.num_nodes == 2
+
+
 def test_a_head_that_loses_to_the_lookup_alternative_rests_once_over_its_loss_budget():
     """The head's steps are charged what the best step without it would have committed in their time. A head whose
     estimate is read with wide errors (confidence 5) drafts on at tau ~1.2 against a step of 1.35 plain steps
