@@ -346,8 +346,7 @@ def read_prompts(config: DistillConfig) -> tuple[list[Conversation], list[Skippe
         if teacher_forced.is_distilled_dataset(source.path):
             raise ValueError(f"--sources {source.name}={source.path}: a distilled dataset; generate reads prompt "
                              "files or datasets (teacher_forced reads distilled ones)")
-        conversations, rows = read_conversations(source.path, source.cap, config.split,
-                                                 label=f"--sources {source.name}={source.path}")
+        conversations, rows = read_conversations(source.path, source.cap, config.split, label=source.label)
         if not conversations:
             raise ValueError(f"--sources {source.name}={source.path}: no usable conversation ({len(rows)} rows "
                              "skipped)")

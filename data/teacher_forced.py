@@ -66,6 +66,12 @@ class Source:
     name: str
     path: str
     cap: int | None = None
+    from_flag: bool = True  # given as a --sources entry (False: the plain --prompts of a run without --sources)
+
+    @property
+    def label(self) -> str:
+        """How errors name this source: the flag and value the user wrote."""
+        return f"--sources {self.name}={self.path}" if self.from_flag else f"--prompts {self.path}"
 
 
 @dataclass
@@ -161,7 +167,7 @@ def read_source(source: Source, split: str) -> tuple[list[Example], list[dict[st
                     for row, (conversation, truncated, generated) in enumerate(zip(
                         rows["conversation"], rows["truncated_turns"], rows["generated_tokens"], strict=True))]
         return examples, []
-    numbered, skipped = read_numbered_conversations(source.path, None, split)
+    numbered, skipped = read_numbered_conversations(source.path, None, split, label=source.label)
     examples = [Example(source.name, row, messages) for row, messages in numbered]
     return examples, [{"source": source.name, "row": row.line, "reason": "unreadable", "detail": row.reason}
                       for row in skipped]
@@ -262,7 +268,7 @@ def select(sources: list[Source], split: str, eval_fraction: float) -> Selection
             held_out.append(is_held_out(example.messages, eval_fraction))
         if valid == 0:
             reasons = Counter(row["reason"] for row in skipped if row["source"] == source.name)
-            raise ValueError(f"--sources {source.name}={source.path}: no usable conversation ({read[source.name]} "
+            raise ValueError(f"{source.label}: no usable conversation ({read[source.name]} "
                              f"rows read; skipped: {dict(reasons) or 'none'}); teacher forcing needs assistant turns")
         ranges[source.name] = (start, len(examples))
     return Selection(examples, held_out, skipped, duplicates, read, ranges)
@@ -353,7 +359,7 @@ def run(config: DistillConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     sources = parse_sources(config.sources) if config.sources else [Source(Path(config.prompts).stem, config.prompts,
-                                                                           config.max_prompts)]
+                                                                           config.max_prompts, from_flag=False)]
     tokenizer = load_tokenizer(config.model)
     fmt = target_format(config, tokenizer)
     max_length = config.max_length or AutoConfig.from_pretrained(

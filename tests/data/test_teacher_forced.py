@@ -139,6 +139,12 @@ def test_source_without_answers_is_an_error_naming_it(tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": ["Write a poem."]}, {"prompt": "Say hi"}])
     with pytest.raises(ValueError, match=r"--sources bench=.*prompts\.jsonl: no usable conversation.*no_assistant"):
         build(tmp_path, [good, f"bench={prompts}"])
+    with pytest.raises(FileNotFoundError, match=r"--sources gone=.*missing\.jsonl: no such file"):
+        build(tmp_path, [good, f"gone={tmp_path / 'missing.jsonl'}"], output_dir=str(tmp_path / "gone"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"--sources broken=.*bad\.jsonl: "):
+        build(tmp_path, [good, f"broken={bad}"], output_dir=str(tmp_path / "broken"))
 
 
 def test_resume_after_the_held_out_merge_and_other_settings_refused(tmp_path):
