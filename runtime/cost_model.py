@@ -20,6 +20,7 @@ A standalone curve of any model on this device: `python -m bench.cost_curve` (be
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import statistics
@@ -251,28 +252,94 @@ def chain_expected_tau(per_depth_accuracy: Sequence[float]) -> Callable[[int], f
     return tau
 
 
+def _tree_text(tree) -> str:
+    inner = getattr(tree, "tree", tree)
+    parents = getattr(inner, "parents", None)
+    return str(parents.tolist()) if isinstance(parents, torch.Tensor) else repr(tree)
+
+
+def drafter_key(proposer) -> str | None:
+    """What a heads drafter's time depends on, hashed: its class, size and tree shape, the shapes and dtypes of its
+    weights (not their values: the timer forwards every level whatever the weights say) and of its draft LM head.
+    None for a drafter without heads (its time is measured afresh each run)."""
+    heads = getattr(proposer, "heads", None)
+    if not isinstance(heads, torch.nn.Module):
+        return None
+    parts = [type(proposer).__name__, str(proposer.tree_size), repr(getattr(proposer, "dynamic", None)),
+             _tree_text(getattr(proposer, "tree", None)), _tree_text(getattr(proposer, "chain", None))]
+    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in heads.state_dict().items()]
+    lm_head = getattr(proposer, "draft_lm_head", None)
+    if lm_head is not None:
+        parts.append(f"lm_head:{tuple(lm_head.weight.shape)}:{lm_head.weight.dtype}:{type(lm_head).__name__}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 class DraftTimer:
     """Times `proposer.propose` on one random context of `kv_length` tokens (draft side only).
 
-    The context is prefilled through the target once (this clobbers the target's cache: use before
+    The context is prefilled through the target on first need (this clobbers the target's cache: use before
     generating); every proposer timed is reset on it and fed it before timing.
+
+    With `use_cache` (the planner and the step costs), a heads drafter's times are cached on disk per target
+    (fingerprint, device and threads, dtype, kernels), KV length and `drafter_key`, like the verify cost curves: a
+    3 ms draft timed in one process moved by 10-20% on this shared CPU, enough to flip the planner between near-tied
+    sizes (1, 2 or 3 for the main job's head in three runs), and with it every per-kind speed after. Measured once,
+    a machine plans the same way every run.
     """
 
-    def __init__(self, target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...], seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        self.prompt = torch.randint(target.vocab_size, (max(kv_length, 2),), generator=gen)
-        out = target.prefill(self.prompt, tuple(hidden_state_indices))
-        self.hidden = out.hidden or None
-        self.committed = torch.cat([self.prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(target.device)
+    def __init__(self, target: TargetModel, kv_length: int, hidden_state_indices: tuple[int, ...], seed: int = 0,
+                 use_cache: bool = False):
+        self.target, self.kv_length, self.indices, self.seed = target, kv_length, tuple(hidden_state_indices), seed
+        self.use_cache = use_cache
         self.sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    @functools.cached_property
+    def _context(self) -> tuple[torch.Tensor, dict | None, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed)
+        prompt = torch.randint(self.target.vocab_size, (max(self.kv_length, 2),), generator=gen)
+        out = self.target.prefill(prompt, self.indices)
+        committed = torch.cat([prompt, out.logits[-1].argmax().reshape(1).cpu()]).to(self.target.device)
+        return prompt, out.hidden or None, committed
+
+    @property
+    def prompt(self) -> torch.Tensor:
+        return self._context[0]
+
+    @property
+    def hidden(self) -> dict | None:
+        return self._context[1]
+
+    @property
+    def committed(self) -> torch.Tensor:
+        return self._context[2]
 
     feed_seconds = 0.0  # of the last proposer timed: seconds per committed entry its first propose fed at once
 
-    def seconds(self, proposer, repeats: int = 3) -> float:
+    def seconds(self, proposer, repeats: int = 5) -> float:
         """Median seconds of the proposer's part of one decode step at its own size: on_accept of the previous
         draft (its root alone accepted, one new token committed) and the next propose(), which feeds the draft its
         new entry, as every step of the loop does (timing propose alone on an unchanged context left that out:
-        1 ms measured against 3-5 ms in real steps of an EAGLE layer)."""
+        1 ms measured against 3-5 ms in real steps of an EAGLE layer). Sets `feed_seconds`."""
+        key = drafter_key(proposer) if self.use_cache else None
+        if key is None:
+            return self._measure(proposer, repeats)
+        model = self.target.model
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model_fingerprint(model)}__{device_name(self.target.device)}__"
+                      f"{dtype_name(model.dtype)}__kv{self.kv_length}__k{kernels.source_key()}__{key}")
+
+        def measure() -> dict:
+            seconds = self._measure(proposer, repeats)
+            return {"seconds": seconds, "feed_seconds": self.feed_seconds, "repeats": repeats}
+
+        def valid(record) -> bool:
+            return isinstance(record, dict) and all(isinstance(record.get(k), float) and record[k] >= 0
+                                                    for k in ("seconds", "feed_seconds"))
+
+        record = cache.cached_json(cache.entry("draft_times", f"{name}.json"), measure, valid)
+        self.feed_seconds = record["feed_seconds"]
+        return record["seconds"]
+
+    def _measure(self, proposer, repeats: int) -> float:
         stop_when_final = getattr(proposer, "stop_when_final", None)
         if stop_when_final is not None:  # an EAGLE-2 tree is timed with every level forwarded (its upper bound)
             proposer.stop_when_final = False
@@ -389,7 +456,7 @@ def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
     if proposer is not None:
         draft, feed = [], []
         for kv in lengths:
-            timer = DraftTimer(target, kv, tuple(proposer.hidden_state_indices))
+            timer = DraftTimer(target, kv, tuple(proposer.hidden_state_indices), use_cache=True)
             draft.append(timer.seconds(proposer))
             feed.append(timer.feed_seconds)
     return StepCosts(lengths, curves, draft, feed)

@@ -188,7 +188,7 @@ def plan_drafter(family: DrafterFamily, target: TargetModel, kv_length: int = 25
     sizes = {key: family.sizes(shape) for key, shape in ((tuple(sorted(s.items())), s) for s in family.shapes)}
     largest = max((max(v) for v in sizes.values() if v), default=1)
     curve = verify_cost_curve(target, kv_length=kv_length, max_tokens=largest + 1, repeats=7)
-    timer = DraftTimer(target, kv_length, family.hidden_state_indices)
+    timer = DraftTimer(target, kv_length, family.hidden_state_indices, use_cache=True)
     plain = dict(size=0, expected_tau=1.0, draft_seconds=0.0, seconds=curve.seconds_at(1),
                  tokens_per_second=1.0 / curve.seconds_at(1))
     rows, profiles = [plain], {}

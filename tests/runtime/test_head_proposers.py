@@ -771,6 +771,27 @@ def test_draft_timer_measures_what_feeding_missed_entries_costs():
     assert costs.feed(1, 64) == 0.0 and costs.feed(11, 64) == pytest.approx(10 * timer.feed_seconds)
 
 
+def test_draft_times_are_measured_once_per_machine_and_drafter_shape(tmp_path, monkeypatch):
+    """With use_cache (the planner, the step costs) a heads drafter's time is read back from disk in the next run,
+    so a machine plans the same way every time; another size is another key, and use_cache=False measures."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    heads = make_heads("eagle", model, seed=2)
+    make = lambda size: EagleProposer(heads, model, dynamic=DynamicTreeConfig(depth=2, top_k=2,  # noqa: E731
+                                                                              total_tokens=size))
+    target, indices = TargetModel(model), make(3).hidden_state_indices
+    first = DraftTimer(target, 16, indices, use_cache=True)
+    seconds, feed = first.seconds(make(3)), first.feed_seconds
+    again = DraftTimer(target, 16, indices, use_cache=True)
+    monkeypatch.setattr(DraftTimer, "_measure", lambda self, proposer, repeats: pytest.fail("measured again"))
+    assert again.seconds(make(3)) == seconds and again.feed_seconds == feed
+    assert "_context" not in again.__dict__  # nothing measured: not even the context was prefilled
+    measured = []
+    monkeypatch.setattr(DraftTimer, "_measure", lambda self, proposer, repeats: measured.append(1) or 0.5)
+    assert again.seconds(make(2)) == 0.5 and DraftTimer(target, 16, indices).seconds(make(3)) == 0.5
+    assert len(measured) == 2
+
+
 def test_deeper_can_enter():
     """A deeper node enters the kept set only with a score above the budget-th best (ties keep the older node)."""
     from runtime.proposers.tree_drafting import Candidates, deeper_can_enter
