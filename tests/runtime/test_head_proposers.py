@@ -21,7 +21,7 @@ from runtime.acceptance import accept
 from runtime.config import DecodeConfig, SpeculationConfig
 from runtime.cost_model import CostCurve, DraftTimer, StepCosts
 from runtime.loop import GenerationStats, generate
-from runtime.proposers.base import Autoregressive, Draft, pending_entries
+from runtime.proposers.base import Autoregressive, Draft, pending_entries, root_only
 from runtime.proposers.eagle import DynamicTreeConfig, EagleProposer
 from runtime.proposers.eagle3 import Eagle3Proposer
 from runtime.proposers.factory import HeadsOptions, accuracy_table, proposer_from_heads
@@ -756,19 +756,37 @@ def test_draft_timer_times_every_level():
 def test_draft_timer_measures_what_feeding_missed_entries_costs():
     """The first propose on the timer's context feeds its entries in one call: the time beyond a step's, per entry,
     is the feed cost a head pays after resting (runtime.proposers.hybrid); pending_entries counts what is left."""
+    import time
+
+    class Feeding:  # feeds its pending entries at 0.2 ms each, as a draft layer does, then drafts nothing
+        hidden_state_indices, tree_size = (), 1
+
+        def reset(self, prompt_ids, prefill_hidden):
+            self.pending_entries = prompt_ids.numel()
+
+        def propose(self, committed_ids, max_tokens):
+            time.sleep(2e-4 * self.pending_entries)
+            self.pending_entries = 0
+            return root_only(committed_ids)
+
+        def on_accept(self, committed_ids, draft, accepted_nodes, tree_hidden):
+            self.pending_entries += len(accepted_nodes)
+
     model = tiny_model("llama")
+    timer = DraftTimer(TargetModel(model), 64, ())
+    timer.seconds(Feeding())
+    assert 1.5e-4 < timer.feed_seconds < 1e-3  # the first propose's 64 entries, less a step's one, per entry
     proposer = EagleProposer(make_heads("eagle", model, seed=2), model,
                              dynamic=DynamicTreeConfig(depth=2, top_k=2, total_tokens=3))
     timer = DraftTimer(TargetModel(model), 64, proposer.hidden_state_indices)
-    timer.seconds(proposer)
-    assert timer.feed_seconds > 0
     proposer.reset(timer.prompt, timer.hidden)
     assert pending_entries(proposer) == 64  # the prompt's entries, all waiting
     proposer.propose(timer.committed, 3)
     assert pending_entries(proposer) == 0
     assert pending_entries(Autoregressive()) == 0  # a drafter without such state
-    costs = StepCosts([64], [CostCurve([1, 8], [1.0, 1.5])], [0.01], [timer.feed_seconds])
-    assert costs.feed(1, 64) == 0.0 and costs.feed(11, 64) == pytest.approx(10 * timer.feed_seconds)
+    costs = StepCosts([64, 1024], [CostCurve([1, 8], [1.0, 1.5])] * 2, [0.01, 0.01], [2e-4, 4e-4])
+    assert costs.feed(1, 64) == 0.0 and costs.feed(11, 64) == pytest.approx(10 * 2e-4)
+    assert costs.feed(11, 544) == pytest.approx(10 * 3e-4)  # interpolated between the measured KV lengths
 
 
 def test_draft_times_are_measured_once_per_machine_and_drafter_shape(tmp_path, monkeypatch):
