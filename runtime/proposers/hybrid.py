@@ -49,7 +49,7 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, chain_draft, pending_entries, root_only
-from runtime.proposers.guard import Ledger, ProbeSchedule, RatioMean, RunningTau, set_gate
+from runtime.proposers.guard import GateCalibration, Ledger, ProbeSchedule, RatioMean, RunningTau, set_gate
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -138,6 +138,7 @@ class HybridProposer:
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
         self.ledger = Ledger()
+        self.calibration = GateCalibration()  # this sequence's accepted over expected, for the head's gate
         self._tables: dict[int, tuple[list[float], float]] = {}  # KV bucket -> costs there (`_table`)
         self.lookup = LookupAcceptance()
         self.reset(None, None)
@@ -158,6 +159,8 @@ class HybridProposer:
         self.tau.reset()
         self.probes.paid()
         self.ledger.reset()
+        self.calibration.reset()
+        self._expected: float | None = None  # what the head's last draft expected to get accepted (Draft.expected)
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
         self._draft_ratio, self._head_drafted_before = RatioMean(), False  # the head's measured / modelled draft
@@ -247,8 +250,11 @@ class HybridProposer:
             return chain_draft(committed_ids, candidate[:k])
         started = time.perf_counter()
         if self.gate:  # a head-only step pays where it expects what the best step without it commits in its time
-            set_gate(self.head, self._rate_without * self._cost(1 + m, self._kv_length, True) - 1.0 if not k else 0.0)
+            self.calibration.ask()  # (the threshold scaled by how this sequence's drafts met their expectations)
+            set_gate(self.head, (self._rate_without * self._cost(1 + m, self._kv_length, True) - 1.0) *
+                     self.calibration.scale if not k else 0.0)
         draft = self.head.propose(committed_ids, m)
+        self._expected = draft.expected
         self._head_seconds = time.perf_counter() - started
         self._head_nodes = draft.tree.num_nodes  # 1: the head was asked and declined (its confidence gate)
         if k:
@@ -282,4 +288,6 @@ class HybridProposer:
             self.ledger.add(committed, committed)
         if self._head_nodes > 1:
             self._time_head(self._kv_length)
-            self.tau.observe(sum(1 for node in accepted_nodes if node < self._head_nodes))
+            accepted = sum(1 for node in accepted_nodes if node < self._head_nodes)
+            self.tau.observe(accepted)
+            self.calibration.observe(self._expected, accepted - 1)

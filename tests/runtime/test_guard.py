@@ -15,6 +15,7 @@ from runtime.cost_model import CostCurve, StepCosts
 from runtime.loop import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, PromptLookupProposer
 from runtime.proposers.base import Draft
+from runtime.proposers.guard import DECAY as DECAY_
 from runtime.proposers.guard import PROBE_EVERY, PayingGuard
 from runtime.proposers.oracle import OracleProposer
 from runtime.target import TargetModel
@@ -416,3 +417,58 @@ def test_a_drafter_that_keeps_declining_is_charged_and_rested():
     # the budget, the first ask, the ask that crossed it, and the probes while over it (each at most 0.3)
     assert lost <= LOSS_BUDGET * steps + LOSS_SLACK + 0.3 + 0.3 + 0.3 * (inner.calls - 3) / 2
     assert lost / steps < 0.025
+
+
+class _Confident:
+    """A 2-token chain that always expects `expected` accepted tokens and records the gate it was given."""
+
+    hidden_state_indices = ()
+    tree_size = 2
+
+    def __init__(self, expected: float):
+        self.expected, self.min_expected, self.gates = expected, 0.0, []
+
+    def reset(self, prompt_ids, prefill_hidden):
+        pass
+
+    def propose(self, committed_ids, max_tokens):
+        self.gates.append(self.min_expected)
+        return Draft(tokens=torch.cat([committed_ids[-1:], torch.tensor([5, 6])]), tree=Tree.chain(2),
+                     expected=self.expected)
+
+    def on_accept(self, committed_ids, draft, accepted_nodes, tree_hidden):
+        pass
+
+
+def test_the_gate_asks_more_of_a_drafter_whose_drafts_miss_what_they_expected():
+    """A head sure of .5 tokens per draft that gets none (text it never saw): each miss raises the gate's threshold
+    (up to 4x); a head that gets what it expects keeps its break-even; asks without drafts decay the evidence back
+    toward the prior."""
+    from runtime.proposers.guard import GateCalibration
+
+    def run(accepted: list[int]) -> list[float]:
+        inner = _Confident(0.5)
+        guard = PayingGuard(inner, step_cost=1.2, expected_tau=50.0, gate=True)  # drafts at every step
+        guard.reset(PROMPT, None)
+        guard.ledger.budget = float("inf")  # never rested by its losses: the gate alone is under test
+        for nodes in accepted:
+            draft = guard.propose(PROMPT, 2)
+            guard.on_accept(PROMPT, draft, list(range(nodes + 1)), None)
+        return inner.gates
+
+    missing = run([0] * 6)
+    assert missing[0] == pytest.approx(0.2) and all(b > a for a, b in zip(missing, missing[1:], strict=False))
+    # the last ask's threshold: 0.2 x (1 + the misses' expectations, decayed at every ask since)
+    assert len(missing) == 6 and missing[-1] > 0.2 * (1 + 0.5 * DECAY_ ** (len(missing) - 1) * (len(missing) - 1))
+    hitting = run([1, 0] * 3)  # .5 per draft on average, as expected
+    assert max(hitting) < 0.2 * 1.3
+    calibration = GateCalibration(prior=1.0, max_scale=4.0)
+    for _ in range(40):
+        calibration.ask()
+        calibration.observe(0.5, 0)
+    assert calibration.scale == 4.0  # capped
+    for _ in range(64):
+        calibration.ask()  # declined asks only: the misses fade
+    assert calibration.scale < 1.3
+    with pytest.raises(ValueError, match="gate calibration"):
+        GateCalibration(prior=0.0)
