@@ -233,7 +233,7 @@ class GateCalibration:
 
     Why: the gate trusts the draft's probabilities, which are calibrated on text like the head's training data (7
     kinds pooled: drafts expecting .25 accepted .23) but not on text it has never seen. The main job's chat-trained
-    head on 4 translations drafted 33 steps expecting .08-.48 tokens each (~6 in all) and accepted none: each such
+    head on 4 translations drafted 26 steps expecting .08-.48 tokens each (~4 in all) and accepted none: each such
     draft cost its drafting and verify tokens (~0.1 plain steps) while the estimate of tau came down slowly from its
     prior. With the calibration, after a few misses a draft must expect twice or thrice as much to be verified."""
 
