@@ -138,7 +138,7 @@ class HybridProposer:
         self.tau = RunningTau(expected_tau)
         self.probes = ProbeSchedule()
         self.ledger = Ledger()
-        self.calibration = GateCalibration()  # this sequence's accepted over expected, for the head's gate
+        self.calibration = GateCalibration()  # this sequence's expected over accepted head tokens: scales its gate
         self._tables: dict[int, tuple[list[float], float]] = {}  # KV bucket -> costs there (`_table`)
         self.lookup = LookupAcceptance()
         self.reset(None, None)
@@ -185,7 +185,7 @@ class HybridProposer:
         verify, draft = self._table(kv_length)
         if not drafting:
             return verify[tokens - 1]
-        feed = self.costs.feed(pending, kv_length) / self.costs.plain_seconds(kv_length) if pending > 1 else 0.0
+        feed = self.costs.feed(pending, kv_length) / self.costs.plain_seconds(kv_length)
         return verify[tokens - 1] + self.draft_ratio * (draft + feed)
 
     @property
