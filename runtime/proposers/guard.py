@@ -90,6 +90,9 @@ class RatioMean:
 
     def __init__(self, prior_steps: int = CLOCK_PRIOR_STEPS, decay: float = DECAY):
         self.prior_steps, self.decay = prior_steps, decay
+        self.reset()
+
+    def reset(self) -> None:
         self.total, self.weight = 0.0, 0.0
 
     def observe(self, measured: float, modelled: float) -> None:
@@ -261,6 +264,41 @@ class GateCalibration:
         return min(max(ratio, 1.0 / self.max_scale), self.max_scale)
 
 
+class DraftShare:
+    """This sequence's share of asks its drafter answered with a draft (its confidence gate declines the others): a
+    prior of `prior_steps` asks that drafted, then every ask, each older one weighing `decay` times the next (the
+    prior too, as RunningTau's), so a drafter that keeps declining is soon read by its declines.
+
+    Why: the tau estimate reads drafted steps only (a decline is the gate's choice, not a test of the text), so a
+    drafter whose gate declined most asks looked as good as its drafts and was asked at every step. Measured: on 4
+    translations the hybrid asked the main job's chat-trained head 43 times; it declined 27 (each ~0.05 plain steps
+    of feeding and first logits, for the plain step's one token) while its estimate stayed at 1.24-1.27."""
+
+    def __init__(self, prior_steps: int = PRIOR_STEPS, decay: float = DECAY):
+        if prior_steps <= 0 or not 0 < decay <= 1:
+            raise ValueError(f"draft share: need prior_steps > 0 and 0 < decay <= 1, got {prior_steps}, {decay}")
+        self.prior_steps, self.decay = prior_steps, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self._drafted = self._weight = float(self.prior_steps)
+
+    def observe_ask(self, drafted: bool) -> None:
+        self._drafted = self.decay * self._drafted + (1.0 if drafted else 0.0)
+        self._weight = self.decay * self._weight + 1.0
+
+    @property
+    def share(self) -> float:
+        return self._drafted / self._weight
+
+
+def ask_value(tau: float, cost: float, declined_cost: float, share: float) -> tuple[float, float]:
+    """(tokens, cost in plain steps) of asking a drafter with a confidence gate: a `share` of asks draft, accepting
+    `tau` tokens (bonus included) for `cost`; the others are declined and commit a plain step's one token for
+    `declined_cost` (the verify of the root plus what the drafter spent before declining)."""
+    return 1.0 + share * (tau - 1.0), share * cost + (1.0 - share) * declined_cost
+
+
 def set_gate(proposer: Proposer, minimum: float) -> None:
     """Tell a drafter with a confidence gate (EAGLE-2's `min_expected`) how many accepted draft tokens this step
     must expect to pay for itself; drafters without one draft as they always do."""
@@ -298,6 +336,8 @@ class PayingGuard:
         self.probes = ProbeSchedule(probe_every, max_probe_every)
         self.ledger = Ledger()
         self.calibration = GateCalibration(decay=decay)
+        self.asks = DraftShare(prior_steps, decay)  # the share of asks the drafter drafted (its gate declines some)
+        self._declined = RatioMean(CLOCK_PRIOR_STEPS, decay)  # a declined ask's price in plain steps
         self._kv_length = 0
 
     def __copy__(self) -> PayingGuard:  # runtime.proposers.base.per_row: each row its own inner state
@@ -341,9 +381,18 @@ class PayingGuard:
         """The estimate plus `confidence` standard errors of it."""
         return self.tau.optimistic
 
+    @property
+    def declined_cost(self) -> float:
+        """A declined ask's price in plain steps: the measured ones' decayed mean, from a prior of a plain step."""
+        return self._declined.mean(1.0)
+
     def pays(self) -> bool:
-        """The estimate, read optimistically, covers the step cost, and this sequence has not lost its budget."""
-        return not self.ledger.losing and self.optimistic_tau >= self.step_cost
+        """An ask, at the estimate read optimistically and the share of asks the drafter drafts (ask_value), covers
+        its cost, and this sequence has not lost its budget."""
+        if self.ledger.losing:
+            return False
+        tokens, cost = ask_value(self.optimistic_tau, self.step_cost, self.declined_cost, self.asks.share)
+        return tokens >= cost
 
     def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
         self.inner.reset(prompt_ids, prefill_hidden)
@@ -351,6 +400,8 @@ class PayingGuard:
         self.probes.paid()
         self.ledger.reset()
         self.calibration.reset()
+        self.asks.reset()
+        self._declined.reset()
         if self.clock is not None:
             self.clock.reset()
         self._kv_length, self._drafted_before = 0, False
@@ -407,9 +458,14 @@ class PayingGuard:
         if self._asked and not drafted:  # the drafter was asked and declined (its confidence gate): charged, but
             # neither a plain step for the clock (its drafter time would make plain steps look dearer) nor a draft
             # for the tau estimate (the gate chose it, not the text)
-            self.ledger.add(len(accepted_nodes), self.declined_step_price(step_seconds))
+            price = self.declined_step_price(step_seconds)
+            self.ledger.add(len(accepted_nodes), price)
+            self._declined.observe(price, 1.0)
+            self.asks.observe_ask(False)
             self._drafted_before = True
             return
+        if drafted:
+            self.asks.observe_ask(True)
         self.ledger.add(len(accepted_nodes), self.drafted_step_price(step_seconds) if drafted else 1.0)
         if self.clock is not None:
             self._time_step(drafted, step_seconds)

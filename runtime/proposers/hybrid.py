@@ -49,7 +49,16 @@ import torch
 
 from runtime.cost_model import StepCosts
 from runtime.proposers.base import Draft, Proposer, chain_draft, pending_entries, root_only
-from runtime.proposers.guard import GateCalibration, Ledger, ProbeSchedule, RatioMean, RunningTau, set_gate
+from runtime.proposers.guard import (
+    DraftShare,
+    GateCalibration,
+    Ledger,
+    ProbeSchedule,
+    RatioMean,
+    RunningTau,
+    ask_value,
+    set_gate,
+)
 from runtime.proposers.prompt_lookup import (
     PRIOR_ACCEPTANCE,
     REQUIRED_GAIN,
@@ -139,6 +148,7 @@ class HybridProposer:
         self.probes = ProbeSchedule()
         self.ledger = Ledger()
         self.calibration = GateCalibration()  # this sequence's expected over accepted head tokens: scales its gate
+        self.asks = DraftShare()  # the share of gated asks (head-only steps) the head drafted; its gate declined the rest
         self._tables: dict[int, tuple[list[float], float]] = {}  # KV bucket -> costs there (`_table`)
         self.lookup = LookupAcceptance()
         self.reset(None, None)
@@ -160,6 +170,8 @@ class HybridProposer:
         self.probes.paid()
         self.ledger.reset()
         self.calibration.reset()
+        self.asks.reset()
+        self._gated = False  # the last step asked the head alone, with its confidence gate
         self._expected: float | None = None  # what the head's last draft expected to get accepted (Draft.expected)
         # the last step's: best rate without the head, tokens, KV length, the head's measured seconds in it
         self._rate_without, self._step_tokens, self._kv_length, self._head_seconds = 0.0, 1, 0, 0.0
@@ -203,21 +215,25 @@ class HybridProposer:
         self._head_drafted_before = True
 
     def plan(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
-             head_tau: float, probe: bool, pending: int = 0) -> tuple[int, int]:
+             head_tau: float, probe: bool, pending: int = 0, drafted_share: float = 1.0) -> tuple[int, int]:
         """(lookup tokens k, head tokens m) for this step (see the module docstring). probe: the head must draft."""
-        options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau, pending)
+        options = self.options(kv_length, acceptance, match_length, head_tokens, head_tau, pending, drafted_share)
         return best_option({key: rate for key, rate in options.items() if key[1]} if probe else options)
 
     def options(self, kv_length: int, acceptance: list[float], match_length: int, head_tokens: int,
-                head_tau: float, pending: int = 0) -> dict[tuple[int, int], float]:
+                head_tau: float, pending: int = 0, drafted_share: float = 1.0) -> dict[tuple[int, int], float]:
         """{(k, m): expected tokens per plain step's time} of the step's choices (the module docstring's table);
-        `pending`: entries the head must feed before it drafts (what it missed while resting)."""
+        `pending`: entries the head must feed before it drafts (what it missed while resting); `drafted_share`: the
+        share of head-only asks its confidence gate lets draft (guard.ask_value: a declined ask commits one token
+        for the root's verify plus the head's time)."""
         plain_costs = self._table(kv_length)[0][:match_length + 1]
         k = best_draft_length(acceptance, plain_costs, match_length, self.required_gain) if match_length else 0
         lookup_tokens = expected_tokens(acceptance, k)
         options = {(k, 0): lookup_tokens / plain_costs[k]}
         if head_tokens:
-            options[(0, head_tokens)] = head_tau / self._cost(1 + head_tokens, kv_length, True, pending) / HEAD_MARGIN
+            tokens, cost = ask_value(head_tau, self._cost(1 + head_tokens, kv_length, True, pending),
+                                     self._cost(1, kv_length, True, pending), drafted_share)
+            options[(0, head_tokens)] = tokens / cost / HEAD_MARGIN
             if k and self.trees:
                 both = lookup_tokens + (1 - acceptance[0]) * (head_tau - 1)
                 options[(k, head_tokens)] = both / self._cost(1 + k + head_tokens, kv_length, True, pending) / \
@@ -226,7 +242,7 @@ class HybridProposer:
 
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         self.lookup.learn(committed_ids)
-        self._head_nodes, self._kv_length = 0, committed_ids.numel()
+        self._head_nodes, self._kv_length, self._gated = 0, committed_ids.numel(), False
         if max_tokens <= 0:
             return root_only(committed_ids)
         n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, min(max_tokens, self.max_lookup))
@@ -236,7 +252,7 @@ class HybridProposer:
         head_tokens = min(self.head_size, max_tokens)
         self._pending = pending_entries(self.head)
         options = self.options(committed_ids.numel(), acceptance, candidate.numel(), head_tokens, self.tau.optimistic,
-                               self._pending)
+                               self._pending, self.asks.share if self.gate else 1.0)
         without = {key: rate for key, rate in options.items() if not key[1]}
         k, m = best_option(without if self.ledger.losing else options)  # over its loss budget the head rests
         if m:
@@ -245,6 +261,7 @@ class HybridProposer:
             k, m = best_option({key: rate for key, rate in options.items() if key[1]})
         k = min(k, max_tokens - m)
         self.last_choice = f"lookup {k} + head {m}"
+        self._gated = bool(self.gate and m and not k)
         self._rate_without, self._step_tokens = max(without.values()), 1 + k + m
         if not m:  # the lookup's chain (or the root alone), as prompt lookup drafts it
             return chain_draft(committed_ids, candidate[:k])
@@ -270,6 +287,8 @@ class HybridProposer:
             self.head.on_accept(committed_ids, draft, accepted_nodes, tree_hidden)
         self._head_seconds += time.perf_counter() - started
         committed = len(accepted_nodes)
+        if self._gated:
+            self.asks.observe_ask(self._head_nodes > 1)
         if self._head_nodes == 1:  # asked and declined: charged what the best step without the head commits in
             # this step's time (its first ask as a plain step of that kind: it fed the head the prompt), neither
             # timed as a head draft nor observed as one (the gate chose it, not the text)

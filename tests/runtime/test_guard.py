@@ -472,3 +472,32 @@ def test_the_gate_asks_more_of_a_drafter_whose_drafts_miss_what_they_expected():
     assert calibration.scale < 1.3
     with pytest.raises(ValueError, match="gate calibration"):
         GateCalibration(prior=0.0)
+
+
+def test_a_drafter_that_keeps_declining_cheaply_is_asked_by_its_share_of_drafts():
+    """The guard asks while an ask pays (guard.ask_value): the share of asks that draft at the estimated tau, the
+    others at a declined step's measured price. A drafter that declines for 0.02 of a plain step never drafts, so
+    its estimate stays at the planner's 1.3, and the ledger would let it be asked for ~100 steps before resting it.
+    Its declines bring the share down until an ask costs more than it returns; then only probes ask."""
+    from runtime.proposers.guard import DraftShare, ask_value
+
+    clock = _FakeClock()
+    inner = _DecliningChain(Draft(tokens=PROMPT[-3:], tree=Tree.chain(2)), clock, 0.0002)
+    guard = PayingGuard(inner, step_cost=lambda kv_length: 1.1, expected_tau=1.3, timed=_costs(0.010, 0.0105, 0.001),
+                        verify_tokens=3, clock=clock, gate=True)
+    committed = PROMPT.clone()
+    for _ in range(200):
+        draft = guard.propose(committed, 3)
+        clock.seconds += 0.010  # the verify of the root alone
+        guard.on_accept(committed, draft, [0], None)
+    assert guard.estimated_tau == pytest.approx(1.3) and not guard.ledger.losing  # neither rested it
+    assert guard.declined_cost == pytest.approx(1.02, abs=0.005)
+    assert inner.calls < 45  # ~100 before
+    assert ask_value(1.3, 1.15, 1.02, 1.0) == (1.3, 1.15)  # every ask drafts: tau against the drafted step
+    tokens, cost = ask_value(1.3, 1.15, 1.02, 0.25)
+    assert tokens == pytest.approx(1.075) and cost == pytest.approx(1.0525)
+    share = DraftShare(prior_steps=4, decay=0.5)
+    share.observe_ask(False)
+    assert share.share == pytest.approx(2 / 3)  # the prior decays with each ask: 4 x 0.5 drafted of 4 x 0.5 + 1
+    with pytest.raises(ValueError, match="draft share"):
+        DraftShare(prior_steps=0)

@@ -15,7 +15,7 @@ from heads import HeadsConfig, build_heads
 from runtime.cost_model import CostCurve, StepCosts
 from runtime.proposers.base import Draft, root_only
 from runtime.proposers.guard import LOSS_BUDGET, LOSS_SLACK
-from runtime.proposers.hybrid import HybridProposer, merge_chain, path_view
+from runtime.proposers.hybrid import HEAD_MARGIN, HybridProposer, merge_chain, path_view
 from runtime.tree import Tree
 from tests.tiny_models import STORIES260K, stories260k
 
@@ -251,3 +251,31 @@ def test_a_head_that_keeps_declining_is_charged_and_rested():
     assert hybrid.tau.mean == pytest.approx(1.8)  # nothing observed: the gate declined, the text was not tried
     assert hybrid.ledger.cost - hybrid.ledger.tokens >= 0.25 * (head.asked - 1)  # each ask but the first charged
     assert head.asked < 20  # rested but for probes and what the growing budget allows
+
+
+def test_a_head_whose_gate_keeps_declining_is_asked_less_than_its_estimate_says():
+    """A head-only ask is worth what the head's gate lets through (guard.ask_value): a share of asks draft at the
+    estimated tau, the others commit one token for the root's verify and the head's time. A head that declines at
+    no measurable cost (so the ledger never rests it) and never drafts keeps its estimate, 1.3, at the prior; before,
+    it was asked at every one of the 60 steps. Now its declines bring the share down until asking loses to a plain
+    step, and only probes ask it after that."""
+    plain = 0.01
+    costs = StepCosts([256], [CostCurve([1, 64], [plain, plain * 7.3])], [plain * 0.05])
+    head = _Declining(0.0)
+    hybrid = HybridProposer(head, 1, 1.3, costs, max_lookup=4, gate=True)
+    prompt = torch.arange(1, 9)  # no repeated n-gram: each step is the head's or plain
+    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
+    for step in range(60):
+        committed = torch.cat([prompt, torch.arange(100, 101 + step)])
+        draft = hybrid.propose(committed, 16)
+        hybrid.on_accept(committed, draft, [0], {-1: torch.zeros(1, 2)})
+    assert hybrid.tau.mean == pytest.approx(1.3) and not hybrid.ledger.losing  # neither rested it
+    assert hybrid.asks.share < 0.5, head.asked
+    assert head.asked <= 12, head.asked
+    # the option's value, by hand: 1 + share (tau - 1) tokens for share x the drafted step + the rest x a declined one
+    kv = 256
+    options = hybrid.options(kv, [0.5], 0, 1, 1.3, 0, drafted_share=0.4)
+    drafted = costs.relative(2, kv, False) + costs.draft(kv) / costs.plain_seconds(kv)
+    declined = costs.relative(1, kv, False) + costs.draft(kv) / costs.plain_seconds(kv)
+    assert options[(0, 1)] == pytest.approx((1 + 0.4 * 0.3) / (0.4 * drafted + 0.6 * declined) / HEAD_MARGIN)
+    assert hybrid.options(kv, [0.5], 0, 1, 1.3)[(0, 1)] == pytest.approx(1.3 / drafted / HEAD_MARGIN)
