@@ -16,15 +16,18 @@ class IndexedRows(Dataset):
     for offline training, the stored features of that row (`features(row) -> {name: [T, H] tensor}`).
 
     An index None is a padding row (evaluation shards of equal length): the first real row with its loss
-    mask zeroed and row number -1, so it costs a forward but counts nowhere.
+    mask zeroed and row number -1, so it costs a forward but counts nowhere. `all_tokens`: every token of a real row
+    is a label (--loss_tokens all: the prompt's too), not the row's loss mask.
     """
 
     def __init__(self, rows: Any, indices: Sequence[int | None],
-                 features: Callable[[int], dict[str, Tensor]] | None = None, filler: int = 0) -> None:
+                 features: Callable[[int], dict[str, Tensor]] | None = None, filler: int = 0,
+                 all_tokens: bool = False) -> None:
         self.rows = rows
         self.indices = list(indices)
         self.features = features
         self.filler = filler
+        self.all_tokens = all_tokens
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -32,7 +35,10 @@ class IndexedRows(Dataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         row = self.indices[item]
         record = self.rows[self.filler if row is None else row]
-        loss_mask = [0] * len(record["loss_mask"]) if row is None else record["loss_mask"]
+        if row is None:
+            loss_mask = [0] * len(record["loss_mask"])
+        else:
+            loss_mask = [1] * len(record["input_ids"]) if self.all_tokens else record["loss_mask"]
         example = {"row": -1 if row is None else row, "input_ids": record["input_ids"], "loss_mask": loss_mask}
         if self.features is not None:
             example["features"] = self.features(self.filler if row is None else row)

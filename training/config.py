@@ -94,6 +94,12 @@ class TrainConfig:
                               "accepts; equal to the dataset token on greedy self-distilled answers, and what makes "
                               "teacher-forced text teach the target's behaviour), 'data' = the dataset tokens. "
                               "Medusa-2 and MTP always use the dataset tokens.", default="target")
+    loss_tokens: str = _help("Which training tokens are labels: 'assistant' = the rows' loss mask (the answers), "
+                             "'all' = every token, the prompts' too (the heads learn the target's hidden states and "
+                             "distribution on the user's text as well: with offline features they are already "
+                             "stored, so the data gives ~1.6x the positions; EAGLE's soft targets are the target's "
+                             "own distribution there). Held-out accuracy always reads the loss mask.",
+                             default="assistant")
     init_heads: str | None = _help("Start from this saved heads directory (checked against the target) "
                                    "instead of fresh heads.", default=None)
     eval_only: bool = _help("Evaluate the --init_heads heads on the held-out split (--eval_dataset / --eval_features, "
@@ -200,6 +206,7 @@ class TrainConfig:
         _check(self.learning_rate > 0, "--learning_rate", "> 0", self.learning_rate)
         _check(self.feature_noise >= 0, "--feature_noise", ">= 0", self.feature_noise)
         _check(self.label_source in ("target", "data"), "--label_source", "target or data", self.label_source)
+        _check(self.loss_tokens in ("assistant", "all"), "--loss_tokens", "assistant or all", self.loss_tokens)
         _check(self.max_train_tokens >= 0, "--max_train_tokens", "an integer >= 0", self.max_train_tokens)
         _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)

@@ -132,7 +132,8 @@ def loaders(config: TrainConfig, data: TrainingData, accelerator: Accelerator, t
         raise ValueError(f"--dataset {config.dataset}: {len(train_rows)} training rows, fewer than one global "
                          f"batch ({config.per_device_batch_size} x {accelerator.num_processes} processes)")
     collate = Collator(data.pad_token_id, config.max_length)
-    train = DataLoader(IndexedRows(data.rows, train_rows, data.features), batch_size=config.per_device_batch_size,
+    train = DataLoader(IndexedRows(data.rows, train_rows, data.features, all_tokens=config.loss_tokens == "all"),
+                       batch_size=config.per_device_batch_size,
                        shuffle=True, drop_last=True, collate_fn=collate, num_workers=config.dataloader_num_workers)
     shard = shard_rows(eval_rows, accelerator.process_index, accelerator.num_processes)
     held_out = DataLoader(IndexedRows(eval_data.rows, shard, eval_data.features, filler=eval_rows[0]),
