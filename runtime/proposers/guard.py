@@ -54,7 +54,10 @@ had won the loss back). So a guarded sequence loses at most LOSS_BUDGET of its t
 drafted step and its first draft's prompt feed. A step whose drafter was asked and declined (EAGLE-2's confidence
 gate: it caught up with the committed tokens and read its first logits, then drafted nothing) is charged its measured
 time too, and is neither a plain step for the clock nor a draft for the estimate: priced as a plain step (before), a
-head that kept declining was asked at every step, and its time made plain steps look dearer to the clock.
+head that kept declining was asked at every step, and its time made plain steps look dearer to the clock. And an ask
+is valued by what the gate lets through (DraftShare, ask_value): the share of this sequence's asks that drafted, at
+the estimated tau and the drafted step's cost, the rest at a declined step's measured price for the plain step's one
+token; so a drafter that keeps declining stops being asked before its declines have spent the loss budget.
 
 Why the cap: the prior alone lets a head that never accepts draft until its estimate falls under the cost, which
 loses PRIOR_STEPS x (prior tau - cost) plain steps whatever the cost: measured on a 36-token translation (prior 1.5,

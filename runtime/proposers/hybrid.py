@@ -20,7 +20,9 @@ alone, the "both" option looked cheap and the first head step after a copied str
 k is what prompt lookup alone would draft (runtime.proposers.prompt_lookup: the prefix length of the match that
 pays most per unit cost, by this sequence's learned conditional acceptances a_i, with its REQUIRED_GAIN margin over a
 plain step), m is the head's planned size, tau_h this sequence's accepted length per head draft (a RunningTau whose
-prior is the planner's expected tau, read optimistically like the guard's). "Both" counts the head's gain only where
+prior is the planner's expected tau, read optimistically like the guard's; a head-only step, which the head's
+confidence gate may decline, is valued by the share of such asks it drafted: runtime.proposers.guard.ask_value, a
+declined one at the root's verify plus the head's draft and feed for one token). "Both" counts the head's gain only where
 the lookup's first token is rejected (where it is accepted the lookup's chain is followed). So the draft budget of a
 step goes to the sources by what each is measured to return in this sequence: all to the lookup while text is
 copied, all to the head while it is not, both when both promise. A head that is not chosen rests and is probed on
