@@ -232,22 +232,30 @@ class _Declining(_Fixed):
         return root_only(committed_ids)
 
 
+def _run_declining(head: _Declining, head_size: int, expected_tau: float, plain: float, steps: int
+                   ) -> HybridProposer:
+    """`steps` steps of a gated hybrid over a prompt with no repeated n-gram (each step the head's or plain), a plain
+    step `plain` seconds, verify 0.1 plain steps more per token, the head's modelled draft 0.05 plain steps."""
+    costs = StepCosts([256], [CostCurve([1, 64], [plain, plain * 7.3])], [plain * 0.05])
+    hybrid = HybridProposer(head, head_size, expected_tau, costs, max_lookup=4, gate=True)
+    prompt = torch.arange(1, 9)
+    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
+    for step in range(steps):
+        committed = torch.cat([prompt, torch.arange(100, 101 + step)])
+        draft = hybrid.propose(committed, 16)
+        assert draft.tree.num_nodes == 1
+        hybrid.on_accept(committed, draft, [0], {-1: torch.zeros(1, 2)})
+    return hybrid
+
+
 def test_a_head_that_keeps_declining_is_charged_and_rested():
     """Head-only steps the head declines (its gate) are charged what the best step without it commits in their
     measured time (the first ask, which fed it the prompt, at the verify's price alone) and are not observed as
     drafts. A head that spends 0.3 of a plain step on every declined ask rests once over the loss budget; priced as
     plain steps (before), it was asked at every one of the 60 steps."""
     plain = 0.01
-    costs = StepCosts([256], [CostCurve([1, 64], [plain, plain * 7.3])], [plain * 0.05])
     head = _Declining(0.3 * plain)
-    hybrid = HybridProposer(head, 3, 1.8, costs, max_lookup=4, gate=True)
-    prompt = torch.arange(1, 9)  # no repeated n-gram: each step is the head's or plain
-    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
-    for step in range(60):
-        committed = torch.cat([prompt, torch.arange(100, 101 + step)])
-        draft = hybrid.propose(committed, 16)
-        assert draft.tree.num_nodes == 1
-        hybrid.on_accept(committed, draft, [0], {-1: torch.zeros(1, 2)})
+    hybrid = _run_declining(head, 3, 1.8, plain, steps=60)
     assert hybrid.tau.mean == pytest.approx(1.8)  # nothing observed: the gate declined, the text was not tried
     assert hybrid.ledger.cost - hybrid.ledger.tokens >= 0.25 * (head.asked - 1)  # each ask but the first charged
     assert head.asked < 20  # rested but for probes and what the growing budget allows
@@ -259,16 +267,9 @@ def test_a_head_whose_gate_keeps_declining_is_asked_less_than_its_estimate_says(
     no measurable cost (so the ledger never rests it) and never drafts keeps its estimate, 1.3, at the prior; before,
     it was asked at every one of the 60 steps. Now its declines bring the share down until asking loses to a plain
     step, and only probes ask it after that."""
-    plain = 0.01
-    costs = StepCosts([256], [CostCurve([1, 64], [plain, plain * 7.3])], [plain * 0.05])
     head = _Declining(0.0)
-    hybrid = HybridProposer(head, 1, 1.3, costs, max_lookup=4, gate=True)
-    prompt = torch.arange(1, 9)  # no repeated n-gram: each step is the head's or plain
-    hybrid.reset(prompt, {-1: torch.zeros(8, 2)})
-    for step in range(60):
-        committed = torch.cat([prompt, torch.arange(100, 101 + step)])
-        draft = hybrid.propose(committed, 16)
-        hybrid.on_accept(committed, draft, [0], {-1: torch.zeros(1, 2)})
+    hybrid = _run_declining(head, 1, 1.3, 0.01, steps=60)
+    costs = hybrid.costs
     assert hybrid.tau.mean == pytest.approx(1.3) and not hybrid.ledger.losing  # neither rested it
     assert hybrid.asks.share < 0.5, head.asked
     assert head.asked <= 12, head.asked
