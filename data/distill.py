@@ -60,13 +60,22 @@ from transformers import (
 from data import teacher_forced
 from data.chat_format import ChatFormat, chat_format, encode, highlight, prompt_ids, tokenize_conversation
 from data.engines import Answer, HFEngine, RuntimeEngine, Sampling, ServerEngine, VllmEngine
+from data.hidden_states import check_captured_dir, feature_name, parse_layers, write_captured
 from data.prompts import Conversation, SkippedRow, read_conversations
 from data.runfiles import check_run_identity, parse_config, process_state
 from data.runfiles import help_field as _help
-from data.shards import MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
+from data.shards import FEATURES_FILE, MANIFEST, SHARDS, merge_shards, shard_path, tokenizer_hash, write_shard
 from heads.cli import run_cli
 from heads.files import atomic_write_json
-from heads.loading import describe_dtype, dtype_name, load_model, load_tokenizer, model_path, resolve_dtype
+from heads.loading import (
+    describe_dtype,
+    dtype_name,
+    load_model,
+    load_tokenizer,
+    model_path,
+    parse_dtype,
+    resolve_dtype,
+)
 from runtime.target import TargetModel
 from runtime.verify_check import prepare_target
 
@@ -125,6 +134,14 @@ class DistillConfig:
     request_timeout: float = _help("server: seconds one request may take.", 600.0)
     max_retries: int = _help("server: retries of a failed request (connection error, HTTP 429/5xx), backoff "
                              "0.5 s doubling.", 3)
+    features_dir: str | None = _help("Also write the target's hidden states of every row here, as "
+                                     "data.hidden_states writes them (--engine runtime): captured by the forwards "
+                                     "that generate the answers, so the features need no second pass over the data. "
+                                     "A row whose re-tokenised text differs from the generated ids keeps the "
+                                     "features of its tokens before the first difference.")
+    features_layers: str = _help("--features_dir: hidden_states indices to keep, as data.hidden_states --layers "
+                                 "('-1', 'eagle3', '3,15,27').", "-1")
+    features_dtype: str = _help("--features_dir: storage dtype of the features.", "bfloat16")
     max_minutes: float = _help("Time budget of each process's generation, in minutes (0 = none): a shard is not "
                                "started once the time so far plus the mean shard time would pass it (each process "
                                "finishes at least one), so the job's length is bounded on any CPU. The dataset holds "
@@ -148,6 +165,15 @@ class DistillConfig:
         if (self.engine == "server") != bool(self.server_url):
             raise ValueError("--engine server needs --server_url" if self.engine == "server" else
                              f"--server_url is read by --engine server only (--engine is {self.engine})")
+        if self.features_dir and (self.engine != "runtime" or self.mode != "generate"):
+            raise ValueError(f"--features_dir is written by --engine runtime in --mode generate (the forwards that "
+                             f"answer keep the hidden states); got --engine {self.engine} --mode {self.mode}: run "
+                             "python -m data.hidden_states on the dataset instead")
+        if self.features_dir:
+            try:
+                parse_dtype(self.features_dtype)
+            except ValueError as err:
+                raise ValueError(f"--features_dtype {self.features_dtype!r}: {err}") from None
         if self.vllm_python and self.engine != "vllm":
             raise ValueError(f"--vllm_python is read by --engine vllm only (--engine is {self.engine})")
         if self.server_prompt not in ("ids", "text"):
@@ -179,6 +205,7 @@ class Answered:
     generated_tokens: int = 0
     unanswered_turns: int = 0  # later user turns dropped because their prompt did not fit --max_length
     skipped_reason: str | None = None
+    last_answer: Answer | None = None  # its last turn's answer (with --features_dir: the sequence and features)
 
 
 def turn_inputs(conversation: Conversation) -> list[Conversation]:
@@ -246,6 +273,7 @@ def answer_conversations(engine, tokenizer: PreTrainedTokenizerBase, fmt: ChatFo
                 content = answer_content(tokenizer, answer)
                 answered[i].messages += pending[i].pop(0) + [{"role": "assistant", "content": content}]
                 answered[i].generated_tokens += count
+                answered[i].last_answer = answer
             if on_batch is not None:
                 on_batch(len(batch), sum(counts))
         active = [i for i in active if pending[i]]
@@ -268,6 +296,42 @@ def dataset_rows(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, answered: 
         columns["truncated_turns"].append(item.truncated_turns)
         columns["generated_tokens"].append(item.generated_tokens)
     return columns
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def captured_features(input_ids: list[int], answer: Answer, layers: list[int]
+                      ) -> tuple[dict[int, torch.Tensor], int]:
+    """A dataset row's features from the forwards that generated its last answer: the positions of the row's
+    leading tokens that equal the generated sequence (prompt + answer), all but the last of them, so training
+    reads the row up to one token past its features (training/batching.featured_length) and every label it reads
+    is the token the target generated there. Returns (features, tokens of the answer lost to a re-tokenisation
+    that differs from the generated ids)."""
+    matched = common_prefix(input_ids, answer.sequence)
+    kept = max(matched - 1, 0)
+    return {layer: answer.features[layer][:kept] for layer in layers}, len(answer.sequence) - matched
+
+
+def shard_features(rows: dict[str, list], answered: list[Answered], layers: list[int], dtype: torch.dtype
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The captured features of a shard's rows ({feature name: [positions of all rows, H]}) and what meta.json
+    records of them: each row's positions, and the rows and answer tokens a differing re-tokenisation cut."""
+    kept = [item for item in answered if item.skipped_reason is None]
+    pieces: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    lengths, cut_rows, cut_tokens = [], 0, 0
+    for input_ids, item in zip(rows["input_ids"], kept, strict=True):
+        features, lost = captured_features(input_ids, item.last_answer, layers)
+        for layer in layers:
+            pieces[layer].append(features[layer].to(dtype))
+        lengths.append(int(features[layers[0]].shape[0]))
+        cut_rows, cut_tokens = cut_rows + (lost > 0), cut_tokens + lost
+    tensors = {feature_name(layer): torch.cat(parts) for layer, parts in pieces.items()} if lengths else {
+        feature_name(layer): torch.zeros(0, 1, dtype=dtype) for layer in layers}
+    return tensors, {"feature_lengths": lengths, "feature_cut_rows": cut_rows, "feature_cut_tokens": cut_tokens}
 
 
 @dataclass
@@ -300,6 +364,13 @@ def load_target(config: DistillConfig, device) -> Target:
     return Target(model_config, generation, dtype)
 
 
+def feature_layers(config: DistillConfig, target: Target) -> list[int]:
+    """The hidden_states indices --features_dir keeps ([] without it)."""
+    if not config.features_dir:
+        return []
+    return parse_layers(config.features_layers, target.config.get_text_config().num_hidden_layers)
+
+
 def stop_ids(generation: GenerationConfig) -> list[int]:
     eos = generation.eos_token_id
     return eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -314,7 +385,7 @@ def make_engine(config: DistillConfig, target: Target, tokenizer: PreTrainedToke
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fmt.stop_token_ids[0]
         return HFEngine(target.model, sampling, pad_id, config.batch_size)
     if config.engine == "runtime":
-        return RuntimeEngine(target.model, sampling, config.batch_size)
+        return RuntimeEngine(target.model, sampling, config.batch_size, tuple(feature_layers(config, target)))
     if config.engine == "vllm":
         return VllmEngine(model_path(config.model), target.dtype, max_length, sampling, config.num_threads,
                           python=config.vllm_python, first_core=local_rank * config.num_threads)
@@ -374,6 +445,8 @@ def run_identity(config: DistillConfig, target: Target, tokenizer: PreTrainedTok
     }
     if config.engine != "hf":  # hf runs keep the identity they always had (their directories resume as before)
         identity["engine"] = config.engine
+    if config.features_dir:  # shards written with and without captured features never mix
+        identity["features"] = {"layers": feature_layers(config, target), "dtype": config.features_dtype}
     return identity
 
 
@@ -409,6 +482,8 @@ def run(config: DistillConfig) -> dict[str, Any]:
         output_dir = Path(config.output_dir)
         identity = run_identity(config, target, tokenizer, fmt, max_length)
         check_run_identity(output_dir, identity, write=state.is_main_process)
+        if config.features_dir:
+            check_captured_dir(Path(config.features_dir), output_dir)
         state.wait_for_everyone()
         if (output_dir / MANIFEST).is_file():
             print(f"{output_dir}: already complete ({MANIFEST} present); nothing to do")
@@ -443,7 +518,8 @@ def run(config: DistillConfig) -> dict[str, Any]:
                                    "conversations_left": sum(len(conversations[s * config.shard_size:
                                                                                (s + 1) * config.shard_size])
                                                              for s in left)}
-    manifest = merge_shards(output_dir, num_shards, manifest, left=left)
+    manifest = merge_shards(output_dir, num_shards, manifest, left=left,
+                            write_features=features_writer(config, target, identity))
     if left:
         print(f"{output_dir}: --max_minutes {config.max_minutes:g}: {len(left)} of {num_shards} shards left "
               f"unanswered ({manifest['time_budget']['conversations_left']} conversations)")
@@ -453,6 +529,27 @@ def run(config: DistillConfig) -> dict[str, Any]:
           f"{len(skipped_rows)} bad rows; {manifest['generated_tokens_per_second']} generated tok/s "
           f"({description['name']} {description.get('version') or ''})".rstrip())
     return manifest
+
+
+def features_writer(config: DistillConfig, target: Target, identity: dict[str, Any]):
+    """merge_shards' `write_features` for --features_dir (None without it): the shards' captured hidden states
+    moved into --features_dir as data.hidden_states output for the merged dataset; returns the manifest's summary."""
+    if not config.features_dir:
+        return None
+
+    def write(shard_dirs: list[Path], merged) -> dict[str, Any]:
+        metas = [json.loads((path / "meta.json").read_text()) for path in shard_dirs]
+        index = write_captured(Path(config.features_dir), [path / FEATURES_FILE for path in shard_dirs],
+                               [meta["feature_lengths"] for meta in metas], merged,
+                               {"model": config.model, "dataset": str(Path(config.output_dir).resolve()),
+                                "layers": identity["features"]["layers"], "dtype": config.features_dtype,
+                                "model_dtype": target.dtype, "source": "data.distill --features_dir"},
+                               target.config.get_text_config().hidden_size)
+        return {"dir": config.features_dir, "layers": index["layers"], "dtype": config.features_dtype,
+                "positions": index["num_tokens"], "cut_rows": sum(meta["feature_cut_rows"] for meta in metas),
+                "cut_tokens": sum(meta["feature_cut_tokens"] for meta in metas)}
+
+    return write
 
 
 def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat,
@@ -491,7 +588,12 @@ def generate_shards(config: DistillConfig, engine, tokenizer: PreTrainedTokenize
                     "unanswered_turns": sum(a.unanswered_turns for a in answered if a.skipped_reason is None),
                     "skipped_conversations": [{"index": a.index, "reason": a.skipped_reason}
                                               for a in answered if a.skipped_reason is not None]}
-            write_shard(shard_path(output_dir, shard), dataset_rows(tokenizer, fmt, answered), meta)
+            rows, hidden = dataset_rows(tokenizer, fmt, answered), None
+            if config.features_dir:
+                hidden, captured = shard_features(rows, answered, engine.feature_layers,
+                                                  parse_dtype(config.features_dtype))
+                meta.update(captured)
+            write_shard(shard_path(output_dir, shard), rows, meta, hidden)
             shard_seconds.append(meta["seconds"])
     finally:
         progress.close()  # ends the bar's line, so an error message starts on its own

@@ -41,7 +41,7 @@ from runtime.config import DecodeConfig
 from runtime.layout import layout_of
 from runtime.loop import generate_batch
 from runtime.proposers import Autoregressive
-from runtime.proposers.base import per_row
+from runtime.proposers.base import Draft, per_row
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 
@@ -59,6 +59,10 @@ class Answer:
     text: str | None
     finished: bool
     generated_tokens: int
+    # --features_dir (runtime engine): the prompt's ids followed by `tokens`, and the target's hidden states
+    # {hidden_states index: [len(sequence) - 1, H]} at every position of it but the last (the last token was never fed)
+    sequence: list[int] | None = None
+    features: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,11 +139,35 @@ def chunk_seed(seed: int, prompts: list[list[int]]) -> int:
     return zlib.crc32(json.dumps([seed, prompts]).encode())
 
 
+class FeatureRecorder(Autoregressive):
+    """Plain decoding that keeps the target's hidden states at every position it feeds: the prompt's from the
+    prefill, then one per step (the token fed, whose successor the step computes). So a generated sequence of n
+    tokens has the features of all n - 1 positions before its last, computed by the forward that generated it
+    (data.distill --features_dir: no second forward over the data)."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.hidden_state_indices = tuple(layers)
+        self.pieces: dict[int, list[torch.Tensor]] = {}
+
+    def reset(self, prompt_ids: torch.Tensor, prefill_hidden: dict[int, torch.Tensor] | None) -> None:
+        self.pieces = {layer: [prefill_hidden[layer].detach()] for layer in self.hidden_state_indices}
+
+    def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
+                  tree_hidden: dict[int, torch.Tensor] | None) -> None:
+        for layer in self.hidden_state_indices:
+            self.pieces[layer].append(tree_hidden[layer][:1].detach())  # the root: the token this step fed
+
+    def features(self) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat(pieces) for layer, pieces in self.pieces.items()}
+
+
 class RuntimeEngine:
     name = "runtime"
 
-    def __init__(self, target: TargetModel, sampling: Sampling, batch_size: int):
+    def __init__(self, target: TargetModel, sampling: Sampling, batch_size: int,
+                 feature_layers: tuple[int, ...] = ()):
         self.target, self.sampling, self.max_batch = target, sampling, batch_size
+        self.feature_layers = tuple(feature_layers)
         greedy = sampling.temperature == 0
         self.config = DecodeConfig(max_new_tokens=sampling.max_new_tokens,
                                    sampling=SamplingConfig(temperature=sampling.temperature,
@@ -151,10 +179,18 @@ class RuntimeEngine:
             self.config, seed=chunk_seed(self.sampling.seed, prompts))
         rows: list[list[int]] = [[] for _ in prompts]
         tensors = [torch.tensor(prompt, dtype=torch.long) for prompt in prompts]
-        for step in generate_batch(self.target, per_row(Autoregressive(), len(prompts)), tensors, config):
+        proposers = ([FeatureRecorder(self.feature_layers) for _ in prompts] if self.feature_layers
+                     else per_row(Autoregressive(), len(prompts)))
+        for step in generate_batch(self.target, proposers, tensors, config):
             for row, new in zip(rows, step, strict=True):
                 row.extend(new.tolist())
-        return [token_answer(row, self.sampling.stop_token_ids) for row in rows]
+        answers = [token_answer(row, self.sampling.stop_token_ids) for row in rows]
+        if not self.feature_layers:
+            return answers
+        return [dataclasses.replace(answer, sequence=list(prompt) + answer.tokens,
+                                    features={layer: tensor[:len(prompt) + len(answer.tokens) - 1]
+                                              for layer, tensor in recorder.features().items()})
+                for prompt, answer, recorder in zip(prompts, answers, proposers, strict=True)]
 
     def describe(self) -> dict[str, Any]:
         return {**local_engine_info(self.name, self.target.dtype, self.max_batch),

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.runfiles import check_run_identity, parse_config, process_state
+from data.runfiles import check_run_identity, parse_config, process_state, replace_dir, temporary_dir
 from data.shards import tokenizer_hash
 from heads.cli import run_cli
 from heads.files import atomic_write_json
@@ -238,17 +238,59 @@ def run(config: HiddenStatesConfig) -> dict[str, Any]:
     missing = [s for s in range(num_shards) if not shard_file(output_dir, s).is_file()]
     if missing:
         raise ValueError(f"--output_dir {output_dir}: shards {missing} are missing; run again to resume")
-    samples_index, offset = [], 0
-    for sample, length in enumerate(lengths):
-        if sample % config.shard_size == 0:
-            offset = 0
-        samples_index.append([sample // config.shard_size, offset, length])
-        offset += length
+    samples_index = sample_index([lengths[s * config.shard_size:(s + 1) * config.shard_size]
+                                  for s in range(num_shards)])
     index = {**identity, "hidden_size": text_config.hidden_size, "num_tokens": sum(lengths),
              "shards": [shard_file(output_dir, s).name for s in range(num_shards)], "samples": samples_index,
              "config": asdict(config)}
     atomic_write_json(index_path, index)
     print(f"{output_dir}: {len(all_ids)} samples, {num_shards} shards, layers {layers}")
+    return index
+
+
+def sample_index(shard_lengths: list[list[int]]) -> list[list[int]]:
+    """index.json's `samples`: [shard, token offset, length] of every sample, shard by shard, from the feature
+    positions of each shard's samples in order."""
+    samples = []
+    for shard, lengths in enumerate(shard_lengths):
+        offset = 0
+        for length in lengths:
+            samples.append([shard, offset, length])
+            offset += length
+    return samples
+
+
+def check_captured_dir(features_dir: Path, dataset_dir: Path) -> None:
+    """data.distill --features_dir must be new, empty, or the features of the same --output_dir (a rerun replaces
+    them): never another directory's files."""
+    if not features_dir.exists() or not any(features_dir.iterdir()):
+        return
+    index_path = features_dir / INDEX
+    recorded = json.loads(index_path.read_text()).get("dataset") if index_path.is_file() else None
+    if recorded is None or Path(recorded).resolve() != dataset_dir.resolve():
+        raise ValueError(f"--features_dir {features_dir}: holds other files (not the features of --output_dir "
+                         f"{dataset_dir}); give a new or empty directory")
+
+
+def write_captured(features_dir: Path, shard_files: list[Path], shard_lengths: list[list[int]], dataset: Any,
+                   identity: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """Move the hidden states data.distill captured per shard (`shard_files`, the merged dataset's shards in order,
+    `shard_lengths` their samples' feature positions) into `features_dir` as data.hidden_states writes them:
+    shard-NNNNN.safetensors + index.json, in a temporary directory renamed into place. Returns the index."""
+    tmp = temporary_dir(features_dir)
+    try:
+        for shard, path in enumerate(shard_files):
+            shutil.move(str(path), str(shard_file(tmp, shard)))
+        lengths = [n for shard in shard_lengths for n in shard]
+        index = {"format_version": FORMAT_VERSION, **identity, "dataset_fingerprint": dataset_fingerprint(dataset),
+                 "num_samples": len(lengths), "hidden_size": hidden_size, "num_tokens": sum(lengths),
+                 "shards": [shard_file(tmp, s).name for s in range(len(shard_files))],
+                 "samples": sample_index(shard_lengths)}
+        atomic_write_json(tmp / INDEX, index)
+        replace_dir(tmp, features_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return index
 
 

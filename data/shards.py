@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from data.runfiles import replace_dir, temporary_dir
@@ -19,6 +20,7 @@ from heads.files import atomic_write_json
 
 MANIFEST = "manifest.json"
 SHARDS = "shards"
+FEATURES_FILE = "features.safetensors"  # a shard's captured hidden states (data.distill --features_dir)
 
 
 def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -41,11 +43,15 @@ def shard_path(output_dir: Path, shard: int) -> Path:
     return output_dir / SHARDS / f"shard-{shard:05d}"
 
 
-def write_shard(path: Path, columns: dict[str, list], meta: dict[str, Any]) -> None:
-    """Save one shard (dataset + meta.json) to a temporary directory, then rename it into place."""
+def write_shard(path: Path, columns: dict[str, list], meta: dict[str, Any],
+                hidden: dict[str, Any] | None = None) -> None:
+    """Save one shard (dataset + meta.json, and with `hidden` {tensor name: [tokens, H]} the rows' captured hidden
+    states in FEATURES_FILE) to a temporary directory, then rename it into place."""
     tmp = temporary_dir(path)
     try:
         datasets.Dataset.from_dict(columns, features=features()).save_to_disk(str(tmp / "data"))
+        if hidden is not None:
+            save_file({name: tensor.contiguous() for name, tensor in hidden.items()}, str(tmp / FEATURES_FILE))
         atomic_write_json(tmp / "meta.json", meta)
         replace_dir(tmp, path)
     except BaseException:
@@ -54,9 +60,10 @@ def write_shard(path: Path, columns: dict[str, list], meta: dict[str, Any]) -> N
 
 
 def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any],
-                 left: set[int] = frozenset()) -> dict[str, Any]:
+                 left: set[int] = frozenset(), write_features=None) -> dict[str, Any]:
     """Concatenate the shards (all but those `left` by a time budget) into one dataset saved in `output_dir`, write
-    manifest.json last, drop shards."""
+    manifest.json last, drop shards. `write_features(shard_dirs, merged)`, when given, is called after the dataset is
+    in place and before the manifest (it moves the shards' captured hidden states out; data.distill)."""
     parts, skipped, seconds, unanswered = [], [], 0.0, 0
     present = [s for s in range(num_shards) if (shard_path(output_dir, s) / "meta.json").is_file()]
     missing = sorted(set(range(num_shards)) - set(present) - set(left))
@@ -79,6 +86,8 @@ def merge_shards(output_dir: Path, num_shards: int, manifest: dict[str, Any],
             (tmp / name).replace(output_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if write_features is not None:
+        manifest["features"] = write_features([shard_path(output_dir, s) for s in present], merged)
     lengths = [len(ids) for ids in merged["input_ids"]]
     masked = [sum(mask) for mask in merged["loss_mask"]]
     generated = sum(merged["generated_tokens"])

@@ -58,7 +58,7 @@ class Collator:
     max_length: int
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        lengths = [min(len(e["input_ids"]), self.max_length) for e in examples]
+        lengths = [min(len(e["input_ids"]), self.max_length, featured_length(e)) for e in examples]
         width = max(lengths)
         input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -78,13 +78,27 @@ class Collator:
         return batch
 
 
+def featured_length(example: dict[str, Any]) -> int:
+    """How much of a row can train: all of it, or with features shorter than the row (captured while the target
+    generated it, data.distill --features_dir: the last generated token was never fed) one token past them. A
+    position t reads feature t and, as targets, feature t + 1 and token t + 2, so the positions that count keep
+    their features; the zero-padded feature past the end is never a target."""
+    tokens = len(example["input_ids"])
+    if "features" not in example:
+        return tokens
+    stored = {item.shape[0] for item in example["features"].values()}
+    if len(stored) != 1 or max(stored) > tokens:
+        raise ValueError(f"dataset row {example['row']}: stored features have {sorted(stored)} positions for "
+                         f"{tokens} tokens (expected one count, at most the row's)")
+    return min(tokens, stored.pop() + 1)
+
+
 def pad_features(items: list[Tensor], lengths: list[int], width: int) -> Tensor:
-    """[T_i, H] tensors -> [B, width, H], each cut to lengths[i] and zero-padded."""
+    """[T_i, H] tensors -> [B, width, H], each cut to lengths[i] and zero-padded (also where T_i < lengths[i])."""
     out = items[0].new_zeros((len(items), width, items[0].shape[-1]))
     for i, (item, length) in enumerate(zip(items, lengths, strict=True)):
-        if item.shape[0] < length:
-            raise ValueError(f"stored features have {item.shape[0]} positions, the row has {length} tokens")
-        out[i, :length] = item[:length]
+        kept = min(length, item.shape[0])
+        out[i, :kept] = item[:kept]
     return out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's main job on a tiny setting from a COLD cache: the same four commands (2 processes under
-# `accelerate launch`: distil -> hidden states -> train; then the bench), the same recipes with smaller sizes,
+# The README's main job on a tiny setting from a COLD cache: the same three commands (2 processes under
+# `accelerate launch`: distil, keeping the hidden states -> train; then the bench), the same recipes with smaller sizes,
 # SPECHEADS_CACHE and the Hugging Face caches pointed at an empty temporary directory, so the GGUF conversion,
 # the verify check, the layout choice, the kernel build and the cost curves are all built from nothing by two
 # processes at once. Run by .ci/run; about 3-4 minutes on 2 cores.
@@ -14,9 +14,7 @@ launch=(accelerate launch --config_file configs/accelerate/cpu_2proc.yaml)
 out="$work/outputs"
 start=$(date +%s)
 "${launch[@]}" -m data.distill --config configs/distill_smollm2_main.yaml --output_dir "$out/distill" \
-    --max_prompts 16 --max_new_tokens 16 --batch_size 4 --shard_size 4
-"${launch[@]}" -m data.hidden_states --config configs/features_smollm2_main.yaml --dataset "$out/distill" \
-    --output_dir "$out/features"
+    --features_dir "$out/features" --max_prompts 16 --max_new_tokens 16 --batch_size 4 --shard_size 4
 "${launch[@]}" training/train_heads.py --config configs/eagle_smollm2_main.yaml --dataset "$out/distill" \
     --features "$out/features" --output_dir "$out/run" --heads_dir "$out/heads" --num_epochs 1 --max_steps 2 \
     --eval_samples 2 --save_steps 0 --draft_vocab_size 512 --per_device_batch_size 2

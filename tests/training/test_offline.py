@@ -121,3 +121,37 @@ def test_several_datasets_train_together_each_with_its_features(features_dir, st
         assert offline_hits.equal(online_hits)
     with pytest.raises(ValueError, match="--features .* names 1 feature directory for the 2 of --dataset"):
         load_training_data(parse_config(args + [f"--features={features_dir}"]), load_model(config.model))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp"])
+def test_features_shorter_than_the_row_train_it_one_token_past_them(method, train_args, features_dir, tmp_path):
+    """Features captured while the target generated a row stop before its last tokens (data.distill --features_dir:
+    the last generated token is never fed). The row then trains up to one token past its features: the same loss
+    and hits as the online target forward on the row cut there."""
+    args = train_args(method, tmp_path) + [f"--features={features_dir}"]
+    config = parse_config(args)
+    target = load_model(config.model, dtype="float32")
+    data = load_training_data(config, target)
+    module = build_training_module(config, target, lambda: data.assistant_tokens(list(range(len(data.rows)))))
+    rows, short = [3, 7, 11], 3  # each row's features end `short` positions before its last token
+
+    def cut_features(row: int) -> dict[str, torch.Tensor]:
+        return {name: tensor[:-short] for name, tensor in data.features(row).items()}
+
+    cut_rows = {row: {key: data.rows[row][key][:1 - short] for key in ("input_ids", "loss_mask")} for row in rows}
+    collate = Collator(data.pad_token_id, config.max_length)
+    offline = collate([IndexedRows(data.rows, rows, cut_features)[i] for i in range(len(rows))])
+    online = collate([IndexedRows(cut_rows, rows)[i] for i in range(len(rows))])
+    assert offline["input_ids"].equal(online["input_ids"]) and offline["loss_mask"].equal(online["loss_mask"])
+    assert online["loss_mask"].sum() > 0
+    for train in (True, False):
+        got = module(offline, train=train, generator=torch.Generator().manual_seed(0))
+        want = module(online, train=train, generator=torch.Generator().manual_seed(0))
+        assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-5)
+        assert got.depth.correct.equal(want.depth.correct)
+
+
+def test_features_longer_than_the_row_are_refused():
+    example = {"row": 4, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "features": {"h": torch.zeros(4, 2)}}
+    with pytest.raises(ValueError, match="dataset row 4: stored features have \\[4\\] positions for 3 tokens"):
+        Collator(0, 16)([example])
