@@ -368,7 +368,10 @@ def feature_layers(config: DistillConfig, target: Target) -> list[int]:
     """The hidden_states indices --features_dir keeps ([] without it)."""
     if not config.features_dir:
         return []
-    return parse_layers(config.features_layers, target.config.get_text_config().num_hidden_layers)
+    try:
+        return parse_layers(config.features_layers, target.config.get_text_config().num_hidden_layers)
+    except ValueError as err:
+        raise ValueError(str(err).replace("--layers", "--features_layers", 1)) from None
 
 
 def stop_ids(generation: GenerationConfig) -> list[int]:

@@ -87,6 +87,8 @@ def test_features_dir_needs_the_runtime_engine_and_a_directory_of_its_own(prompt
         config(prompts, tmp_path, engine="hf")
     with pytest.raises(ValueError, match="--features_dtype"):
         config(prompts, tmp_path, features_dtype="int3")
+    with pytest.raises(ValueError, match="--features_layers '40': index 40 is outside"):
+        run(config(prompts, tmp_path, "layers", features_layers="40"))
     other = tmp_path / "out-features"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
