@@ -14,7 +14,8 @@ launch=(accelerate launch --config_file configs/accelerate/cpu_2proc.yaml)
 out="$work/outputs"
 start=$(date +%s)
 "${launch[@]}" -m data.distill --config configs/distill_smollm2_main.yaml --output_dir "$out/distill" \
-    --features_dir "$out/features" --max_prompts 16 --max_new_tokens 16 --batch_size 4 --shard_size 4
+    --features_dir "$out/features" --max_new_tokens 16 --batch_size 4 --shard_size 4 \
+    --sources sharegpt=../shared/data/sharegpt_prompts.jsonl:13 gsm8k=../shared/data/gsm8k_train.jsonl:3
 "${launch[@]}" training/train_heads.py --config configs/eagle_smollm2_main.yaml --dataset "$out/distill" \
     --features "$out/features" --output_dir "$out/run" --heads_dir "$out/heads" --num_epochs 1 --max_steps 2 \
     --eval_samples 2 --save_steps 0 --draft_vocab_size 512 --per_device_batch_size 2
