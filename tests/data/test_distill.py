@@ -110,11 +110,11 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(reference, prompts, tmp
     write_shard = distill.write_shard
     written = []
 
-    def dying_write_shard(path, columns, meta):
+    def dying_write_shard(path, columns, meta, hidden=None):
         if written:
             raise KeyboardInterrupt("simulated kill")
         written.append(path.name)
-        write_shard(path, columns, meta)
+        write_shard(path, columns, meta, hidden)
 
     monkeypatch.setattr(distill, "write_shard", dying_write_shard)
     with pytest.raises(KeyboardInterrupt):
