@@ -27,13 +27,6 @@ ROWS = [
 COLUMNS = ["input_ids", "loss_mask", "text", "conversation", "index", "truncated_turns", "generated_tokens"]
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("\n".join(row if isinstance(row, str) else json.dumps(row) for row in ROWS) + "\n")
-    return str(path)
-
-
 def config(prompts, output_dir, **overrides):
     values = dict(model=str(STORIES260K), prompts=prompts, output_dir=str(output_dir), plain_format=True,
                   max_new_tokens=6, batch_size=2, shard_size=2)

@@ -15,17 +15,10 @@ from data.distill import DistillConfig, run
 from heads.cli import run_cli
 from heads.loading import load_model, load_tokenizer
 from tests.data.completions_server import CompletionsServer
-from tests.data.test_distill import ROWS, rows
+from tests.data.test_distill import rows
 from tests.tiny_models import REPO, STORIES260K
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("\n".join(row if isinstance(row, str) else json.dumps(row) for row in ROWS) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

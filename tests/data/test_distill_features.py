@@ -4,7 +4,6 @@ before each row's last generated token (float32: equal to a separate forward up 
 (training reads them with --features); a rerun after an interrupted merge gives the same files; other engines and
 a directory holding other files are refused by name."""
 
-import json
 
 import datasets
 import pytest
@@ -15,17 +14,9 @@ from data.distill import DistillConfig, captured_features, common_prefix, run
 from data.engines import Answer
 from data.hidden_states import HiddenStatesConfig, HiddenStateShards
 from data.hidden_states import run as hidden_states
-from tests.data.test_distill import ROWS
 from tests.tiny_models import STORIES260K
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("\n".join(row if isinstance(row, str) else json.dumps(row) for row in ROWS) + "\n")
-    return str(path)
 
 
 def config(prompts, tmp_path, name="out", **overrides):
