@@ -4,7 +4,8 @@ and its answers against hf's."""
 import json
 
 from bench.distill import main
-from tests.data.test_distill_engines import prompts, serve, target  # noqa: F401  (prompts, target: fixtures)
+from tests.data.conftest import prompts  # noqa: F401  (a fixture)
+from tests.data.test_distill_engines import serve, target  # noqa: F401  (target: a fixture)
 from tests.tiny_models import STORIES260K
 
 
