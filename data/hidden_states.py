@@ -274,13 +274,18 @@ def check_captured_dir(features_dir: Path, dataset_dir: Path) -> None:
 
 def write_captured(features_dir: Path, shard_files: list[Path], shard_lengths: list[list[int]], dataset: Any,
                    identity: dict[str, Any], hidden_size: int) -> dict[str, Any]:
-    """Move the hidden states data.distill captured per shard (`shard_files`, the merged dataset's shards in order,
+    """Put the hidden states data.distill captured per shard (`shard_files`, the merged dataset's shards in order,
     `shard_lengths` their samples' feature positions) into `features_dir` as data.hidden_states writes them:
-    shard-NNNNN.safetensors + index.json, in a temporary directory renamed into place. Returns the index."""
+    shard-NNNNN.safetensors + index.json, in a temporary directory renamed into place. The shard files are linked
+    (copied across filesystems), not moved, so a merge that dies here leaves every shard whole for the rerun.
+    Returns the index."""
     tmp = temporary_dir(features_dir)
     try:
         for shard, path in enumerate(shard_files):
-            shutil.move(str(path), str(shard_file(tmp, shard)))
+            try:
+                os.link(path, shard_file(tmp, shard))
+            except OSError:
+                shutil.copyfile(path, shard_file(tmp, shard))
         lengths = [n for shard in shard_lengths for n in shard]
         index = {"format_version": FORMAT_VERSION, **identity, "dataset_fingerprint": dataset_fingerprint(dataset),
                  "num_samples": len(lengths), "hidden_size": hidden_size, "num_tokens": sum(lengths),

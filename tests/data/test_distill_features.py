@@ -73,6 +73,26 @@ def test_a_rerun_after_an_interrupted_merge_gives_the_same_features(prompts, tmp
     assert all(a[i][5].equal(b[i][5]) for i in range(len(a)))
 
 
+def test_a_merge_that_dies_while_writing_the_features_leaves_the_shards_for_the_rerun(prompts, tmp_path,
+                                                                                      monkeypatch):
+    from data import hidden_states
+
+    clean = run(config(prompts, tmp_path, "clean"))
+    original = hidden_states.replace_dir
+
+    def dying(*args):
+        raise KeyboardInterrupt("killed while the features are put in place")
+
+    monkeypatch.setattr(hidden_states, "replace_dir", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run(config(prompts, tmp_path, "resumed"))
+    monkeypatch.setattr(hidden_states, "replace_dir", original)
+    resumed = run(config(prompts, tmp_path, "resumed"))
+    assert resumed["features"] == {**clean["features"], "dir": str(tmp_path / "resumed-features")}
+    a, b = HiddenStateShards(tmp_path / "clean-features"), HiddenStateShards(tmp_path / "resumed-features")
+    assert all(a[i][5].equal(b[i][5]) for i in range(len(a)))
+
+
 def test_features_dir_needs_the_runtime_engine_and_a_directory_of_its_own(prompts, tmp_path):
     with pytest.raises(ValueError, match="--features_dir is written by --engine runtime"):
         config(prompts, tmp_path, engine="hf")
