@@ -33,6 +33,7 @@ class TrainerState:
     epoch: int
     batch: int
     samples: int  # sequences consumed over all processes
+    total_steps: int = 0  # the schedule's horizon once --fit_train_minutes has fitted it; 0 = as configured
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

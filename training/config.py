@@ -29,7 +29,8 @@ CONFIG_FILE = "train_config.yaml"
 RESUMABLE_FIELDS = frozenset({
     "max_steps", "num_epochs", "save_steps", "save_total_limit", "eval_steps", "logging_steps", "report_to",
     "project_name", "run_name", "resume_from", "push_to_hub", "hub_private", "num_threads", "progress_bar",
-    "save_merged", "dataloader_num_workers", "heads_dir", "max_train_minutes", "eval_only",
+    "save_merged", "dataloader_num_workers", "heads_dir", "max_train_minutes", "fit_train_minutes",
+    "eval_only",
 })
 
 
@@ -142,6 +143,12 @@ class TrainConfig:
     max_train_minutes: float = _help("Stop training after this many wall-clock minutes of the loop (the learning-rate "
                                      "schedule still spans max_steps / num_epochs); 0 = no limit. For comparisons "
                                      "at equal training time.", default=0.0)
+    fit_train_minutes: float = _help("Fit training into this many wall-clock minutes of the loop: once warmup ends "
+                                     "(and at least 10 steps), the measured seconds per step shorten the planned "
+                                     "steps (never lengthen them) so the learning-rate schedule decays to its end "
+                                     "within 95% of the budget, and the loop stops at the budget; the fitted step "
+                                     "count is kept in checkpoints. 0 = off. Keeps a recipe's time on a slower CPU.",
+                                     default=0.0)
     mixed_precision: str | None = _help("no, fp16, bf16 or auto (bf16 autocast where bf16 is fast: CUDA with bf16, a "
                                         "CPU with AVX512-BF16 or AMX; no elsewhere, where torch emulates bf16); unset "
                                         "= whatever `accelerate launch` says.", default=None)
@@ -211,6 +218,7 @@ class TrainConfig:
         _check(0 <= self.warmup_ratio < 1, "--warmup_ratio", "a value in [0, 1)", self.warmup_ratio)
         _check(0 <= self.min_lr_ratio <= 1, "--min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio)
         _check(self.max_train_minutes >= 0, "--max_train_minutes", ">= 0", self.max_train_minutes)
+        _check(self.fit_train_minutes >= 0, "--fit_train_minutes", ">= 0", self.fit_train_minutes)
         _check(not self.eval_only or bool(self.init_heads), "--eval_only", "--init_heads DIR (the heads to "
                "evaluate)", self.init_heads)
         if self.method == "medusa2" and self.features:

@@ -39,6 +39,14 @@ def total_steps(max_steps: int, num_epochs: float, batches_per_epoch: int, accum
     return max(1, math.ceil(num_epochs * batches_per_epoch / accumulation))
 
 
+def steps_within_budget(total: int, done: int, elapsed: float, per_step: float, budget: float) -> int:
+    """Optimizer steps that fit in `budget` seconds of the loop when `done` steps took `elapsed` seconds and each
+    further step takes `per_step`: never more than `total` (the planned steps), never fewer than `done`."""
+    if per_step <= 0:
+        return total
+    return max(done, min(total, done + int((budget - elapsed) / per_step)))
+
+
 @dataclass
 class MicroBatch:
     epoch: int

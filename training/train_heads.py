@@ -61,6 +61,7 @@ from training.loop import (
     evaluate,
     micro_batches,
     shard_rows,
+    steps_within_budget,
     total_steps,
     train_step,
 )
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
                         config.gradient_accumulation_steps)
     warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
+    # The lambda reads `steps` when it is called: --fit_train_minutes may shorten the horizon after warmup.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, warmup, steps, config.min_lr_ratio))
     module, optimizer, train_loader = accelerator.prepare(module, optimizer, train_loader)
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
         state = read_state(checkpoint)
+        if config.fit_train_minutes and state.total_steps:
+            steps = state.total_steps  # the horizon fitted before the interruption
         accelerator.print(f"resumed from {checkpoint} at step {state.step}")
     if accelerator.is_main_process:
         save_config(config, config.output_dir)
@@ -269,23 +273,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eval_metrics: dict[str, float] = {}
     started, started_step = time.perf_counter(), state.step
     module.train()
-    budget = config.max_train_minutes * 60
+    limits = {flag: minutes for flag, minutes in (("--max_train_minutes", config.max_train_minutes),
+                                                    ("--fit_train_minutes", config.fit_train_minutes)) if minutes}
+    budget = min(limits.values(), default=0.0) * 60
+    fit_at = max(warmup, min(10, steps)) if config.fit_train_minutes and not state.total_steps else None
+    first_step_done = started  # the clock after this loop's first step (the steps after it measure the rate)
 
-    def over_budget() -> bool:  # every process stops at the same step: the main process's clock decides
-        if not budget:
-            return False
-        flag = torch.tensor([float(time.perf_counter() - started >= budget)], device=accelerator.device)
+    def main_process_value(value: float) -> float:  # every process acts at the same step on the main one's clock
+        tensor = torch.tensor([value], device=accelerator.device)
         if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag * float(accelerator.is_main_process), reduction="sum")
-        return bool(flag.item())
+            tensor = accelerator.reduce(tensor * float(accelerator.is_main_process), reduction="sum")
+        return float(tensor.item())
+
+    def over_budget() -> bool:
+        return bool(budget) and bool(main_process_value(float(time.perf_counter() - started >= budget)))
 
     while state.step < steps and not over_budget():
         micro = [next(batches) for _ in range(config.gradient_accumulation_steps)]
         result = train_step(accelerator, module, optimizer, micro, state.step, config.max_grad_norm, config.seed)
         scheduler.step()
         state = TrainerState(step=state.step + 1, epoch=micro[-1].epoch, batch=micro[-1].index + 1,
-                             samples=state.samples + global_batch)
-        rate = (state.step - started_step) * global_batch / (time.perf_counter() - started)
+                             samples=state.samples + global_batch, total_steps=state.total_steps)
+        now = time.perf_counter()
+        rate = (state.step - started_step) * global_batch / (now - started)
+        if state.step == started_step + 1:
+            first_step_done = now
+        elif fit_at is not None and state.step >= fit_at:
+            per_step = (now - first_step_done) / (state.step - started_step - 1)
+            planned = steps
+            steps = int(main_process_value(float(steps_within_budget(
+                steps, state.step, now - started, per_step, 0.95 * config.fit_train_minutes * 60))))
+            state, fit_at = dataclasses.replace(state, total_steps=steps), None
+            progress.total = steps
+            accelerator.print(f"--fit_train_minutes {config.fit_train_minutes:g}: {per_step:.3f} s per step, so "
+                              f"the schedule ends at step {steps} of the {planned} planned")
+            if accelerator.is_main_process:
+                log_line(config, {"step": state.step, "fit_train_minutes": config.fit_train_minutes,
+                                  "seconds_per_step": per_step, "planned_steps": planned, "fitted_steps": steps})
         train = depth_metrics(result.stats, config.eval_top_k, prefix="train")
         progress.update(1)
         progress.set_postfix(loss=f"{result.loss:.4f}", top1=f"{train['train/top1_d0']:.3f}",
@@ -308,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save_checkpoint(accelerator, config, state)
     progress.close()
     if state.step < steps:
-        accelerator.print(f"--max_train_minutes {config.max_train_minutes:g}: stopped at step {state.step} of {steps}")
+        flag = min(limits, key=limits.get)
+        accelerator.print(f"{flag} {limits[flag]:g}: stopped at step {state.step} of {steps}")
 
     train_seconds = time.perf_counter() - started
 

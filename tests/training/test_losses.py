@@ -12,7 +12,7 @@ from heads.checkpoint import build_heads
 from heads.config import HeadsConfig
 from tests.tiny_models import tiny_config
 from training.evaluation import depth_metrics, expected_acceptance_length
-from training.loop import cosine_with_warmup, shard_rows, total_steps
+from training.loop import cosine_with_warmup, shard_rows, steps_within_budget, total_steps
 from training.losses import depth_cross_entropy, depth_targets, eagle3_step_loss, label_count, shift_left
 from training.methods import ShiftedRows, unroll_draft, unroll_mask
 
@@ -117,6 +117,14 @@ def test_cosine_with_warmup_schedule():
     assert cosine_with_warmup(0, 4, 10) == pytest.approx(0.2)
     assert cosine_with_warmup(10, 0, 10, min_lr_ratio=0.1) == pytest.approx(0.1)
     assert total_steps(-1, 2.0, 13, 2) == 13 and total_steps(7, 2.0, 13, 2) == 7
+
+
+def test_steps_within_budget_only_shortens():
+    # 10 steps in 5 s, 0.5 s per step from now on, 20 s budget: 30 more steps fit
+    assert steps_within_budget(1000, 10, 5.0, 0.5, 20.0) == 40
+    assert steps_within_budget(25, 10, 5.0, 0.5, 20.0) == 25  # the plan fits: kept, never lengthened
+    assert steps_within_budget(1000, 10, 21.0, 0.5, 20.0) == 10  # already over: stop where it is
+    assert steps_within_budget(1000, 10, 5.0, 0.0, 20.0) == 1000  # no rate measured: the plan
 
 
 def test_eval_shards_are_equal_and_cover_every_row_once():

@@ -74,3 +74,29 @@ def test_max_train_minutes_stops_the_loop_and_still_saves(main, train_args, tmp_
     final = main(train_args("dflash", tmp_path / "run", block_size=4, max_steps=100000, max_train_minutes=0.02))
     assert 1 <= final["step"] < 100000 and final["train/seconds"] < 60
     assert load_heads(tmp_path / "run" / "heads").config.metrics["training_steps"] == final["step"]
+
+
+def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train_args, tmp_path):
+    """A recipe's time on a slower CPU: after warmup the measured step time shortens the horizon, the learning
+    rate then follows the shortened cosine to its end, and a resumed run keeps the fitted horizon."""
+    import json
+
+    from training.loop import cosine_with_warmup
+
+    flags = {"max_steps": 100000, "fit_train_minutes": 0.05, "warmup_steps": 2, "save_steps": 12,
+             "save_total_limit": 0,
+             "min_lr_ratio": 0.1}
+    out = tmp_path / "run"
+    final = main(train_args("eagle", out, **flags))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    fit = next(r for r in records if "fitted_steps" in r)
+    fitted = fit["fitted_steps"]
+    assert fit["step"] == 10 and fit["planned_steps"] == 100000 and 12 <= fitted < 100000
+    assert final["step"] <= fitted and final["train/seconds"] < 60
+    for record in records:
+        if "lr" in record and record["step"] > 10:  # the LR logged at step 10 was set before the fit
+            assert record["lr"] == pytest.approx(3e-3 * cosine_with_warmup(record["step"], 2, fitted, 0.1))
+
+    resumed = main(train_args("eagle", tmp_path / "resumed", **{**flags, "fit_train_minutes": 10,
+                                                                 "resume_from": out / "checkpoints" / "step_00000012"}))
+    assert resumed["step"] == fitted
