@@ -140,14 +140,17 @@ class TrainConfig:
     min_lr_ratio: float = _help("Cosine decays to learning_rate * min_lr_ratio.", default=0.0)
     max_steps: int = _help("Optimizer steps; -1 = num_epochs over the training split.", default=-1)
     num_epochs: float = _help("Epochs when max_steps is -1.", default=1.0)
-    max_train_minutes: float = _help("Stop training after this many wall-clock minutes of the loop (the learning-rate "
+    max_train_minutes: float = _help("Stop training after this many wall-clock minutes of the loop, summed over resumed "
+                                     "runs (the learning-rate "
                                      "schedule still spans max_steps / num_epochs); 0 = no limit. For comparisons "
                                      "at equal training time.", default=0.0)
     fit_train_minutes: float = _help("Fit training into this many wall-clock minutes of the loop: once warmup ends "
-                                     "(and at least 10 steps), the measured seconds per step shorten the planned "
-                                     "steps (never lengthen them) so the learning-rate schedule decays to its end "
-                                     "within 95% of the budget, and the loop stops at the budget; the fitted step "
-                                     "count is kept in checkpoints. 0 = off. Keeps a recipe's time on a slower CPU.",
+                                     "(and at least 10 steps), the measured seconds per step set the steps to what "
+                                     "fits, at most the planned ones, so the learning-rate schedule decays to its end "
+                                     "within 95% of the budget (fitted again every eighth of the horizon until "
+                                     "three quarters of it), and the loop stops at the budget; the fitted step count "
+                                     "and the loop's minutes are kept in checkpoints, so a resumed run goes on "
+                                     "with both. 0 = off. Keeps a recipe's time on a slower CPU.",
                                      default=0.0)
     mixed_precision: str | None = _help("no, fp16, bf16 or auto (bf16 autocast where bf16 is fast: CUDA with bf16, a "
                                         "CPU with AVX512-BF16 or AMX; no elsewhere, where torch emulates bf16); unset "

@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
-    steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
-                        config.gradient_accumulation_steps)
+    # planned: the configured horizon, which --fit_train_minutes may shorten (`steps`), never lengthen
+    planned = steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
+                                  config.gradient_accumulation_steps)
     warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
     # The lambda reads `steps` when it is called: --fit_train_minutes may shorten the horizon after warmup.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -272,11 +273,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     desc=config.method, dynamic_ncols=True)
     eval_metrics: dict[str, float] = {}
     started, started_step = time.perf_counter(), state.step
+    earlier_seconds = state.train_seconds  # the loop's time in the runs this one resumes: budgets count it
     module.train()
     limits = {flag: minutes for flag, minutes in (("--max_train_minutes", config.max_train_minutes),
                                                     ("--fit_train_minutes", config.fit_train_minutes)) if minutes}
     budget = min(limits.values(), default=0.0) * 60
-    fit_at = max(warmup, min(10, steps)) if config.fit_train_minutes and not state.total_steps else None
+    fit_at = max(warmup, min(10, steps)) if config.fit_train_minutes else None
     first_step_done = started  # the clock after this loop's first step (the steps after it measure the rate)
 
     def main_process_value(value: float) -> float:  # every process acts at the same step on the main one's clock
@@ -286,27 +288,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return float(tensor.item())
 
     def over_budget() -> bool:
-        return bool(budget) and bool(main_process_value(float(time.perf_counter() - started >= budget)))
+        return bool(budget) and bool(main_process_value(
+            float(earlier_seconds + time.perf_counter() - started >= budget)))
 
     while state.step < steps and not over_budget():
         micro = [next(batches) for _ in range(config.gradient_accumulation_steps)]
         result = train_step(accelerator, module, optimizer, micro, state.step, config.max_grad_norm, config.seed)
         scheduler.step()
-        state = TrainerState(step=state.step + 1, epoch=micro[-1].epoch, batch=micro[-1].index + 1,
-                             samples=state.samples + global_batch, total_steps=state.total_steps)
         now = time.perf_counter()
+        state = TrainerState(step=state.step + 1, epoch=micro[-1].epoch, batch=micro[-1].index + 1,
+                             samples=state.samples + global_batch, total_steps=state.total_steps,
+                             train_seconds=earlier_seconds + now - started)
         rate = (state.step - started_step) * global_batch / (now - started)
         if state.step == started_step + 1:
             first_step_done = now
-        elif fit_at is not None and state.step >= fit_at:
+        elif fit_at is not None and state.step >= fit_at and state.step - started_step >= min(10, planned):
+            # Fit again every eighth of the horizon until three quarters of it: the rate measured over more steps
+            # (evaluations included) moves the end by a few percent, and the cosine bends with it.
             per_step = (now - first_step_done) / (state.step - started_step - 1)
-            planned = steps
-            steps = int(main_process_value(float(steps_within_budget(
-                steps, state.step, now - started, per_step, 0.95 * config.fit_train_minutes * 60))))
-            state, fit_at = dataclasses.replace(state, total_steps=steps), None
+            fitted = int(main_process_value(float(steps_within_budget(
+                planned, state.step, state.train_seconds, per_step, 0.95 * config.fit_train_minutes * 60))))
+            if fitted != steps:
+                accelerator.print(f"--fit_train_minutes {config.fit_train_minutes:g}: {per_step:.3f} s per step at "
+                                  f"step {state.step}, so the schedule ends at step {fitted} of the {planned} planned")
+            steps, state = fitted, dataclasses.replace(state, total_steps=fitted)
+            fit_at = state.step + max(10, steps // 8)
+            fit_at = fit_at if fit_at <= 0.75 * steps else None
             progress.total = steps
-            accelerator.print(f"--fit_train_minutes {config.fit_train_minutes:g}: {per_step:.3f} s per step, so "
-                              f"the schedule ends at step {steps} of the {planned} planned")
             if accelerator.is_main_process:
                 log_line(config, {"step": state.step, "fit_train_minutes": config.fit_train_minutes,
                                   "seconds_per_step": per_step, "planned_steps": planned, "fitted_steps": steps})

@@ -78,25 +78,36 @@ def test_max_train_minutes_stops_the_loop_and_still_saves(main, train_args, tmp_
 
 def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train_args, tmp_path):
     """A recipe's time on a slower CPU: after warmup the measured step time shortens the horizon, the learning
-    rate then follows the shortened cosine to its end, and a resumed run keeps the fitted horizon."""
+    rate then follows the fitted cosine (fitted again as the rate is measured over more steps), and a resumed run
+    goes on with the horizon and the loop's time that its checkpoint holds."""
     import json
 
     from training.loop import cosine_with_warmup
 
     flags = {"max_steps": 100000, "fit_train_minutes": 0.05, "warmup_steps": 2, "save_steps": 12,
-             "save_total_limit": 0,
-             "min_lr_ratio": 0.1}
+             "save_total_limit": 0, "min_lr_ratio": 0.1}
+
+    def records(directory):
+        return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+    def horizon(fits, step):  # the horizon the LR of `step` was computed with: the last fit before it
+        return [f["fitted_steps"] for f in fits if f["step"] < step][-1]
+
     out = tmp_path / "run"
     final = main(train_args("eagle", out, **flags))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    fit = next(r for r in records if "fitted_steps" in r)
-    fitted = fit["fitted_steps"]
-    assert fit["step"] == 10 and fit["planned_steps"] == 100000 and 12 <= fitted < 100000
-    assert final["step"] <= fitted and final["train/seconds"] < 60
-    for record in records:
-        if "lr" in record and record["step"] > 10:  # the LR logged at step 10 was set before the fit
-            assert record["lr"] == pytest.approx(3e-3 * cosine_with_warmup(record["step"], 2, fitted, 0.1))
+    fits = [r for r in records(out) if "fitted_steps" in r]
+    assert fits[0]["step"] == 10 and all(f["planned_steps"] == 100000 for f in fits)
+    assert all(12 <= f["fitted_steps"] < 100000 for f in fits)
+    assert final["step"] <= fits[-1]["fitted_steps"] and final["train/seconds"] < 60
+    for record in records(out):
+        if "lr" in record and record["step"] > 10:  # the LR logged at step 10 was set before the first fit
+            expected = cosine_with_warmup(record["step"], 2, horizon(fits, record["step"]), 0.1)
+            assert record["lr"] == pytest.approx(3e-3 * expected)
 
-    resumed = main(train_args("eagle", tmp_path / "resumed", **{**flags, "fit_train_minutes": 10,
-                                                                 "resume_from": out / "checkpoints" / "step_00000012"}))
-    assert resumed["step"] == fitted
+    checkpoint = out / "checkpoints" / "step_00000012"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert saved["total_steps"] == horizon(fits, 13) and 0 < saved["train_seconds"] < final["train/seconds"]
+    resumed_dir = tmp_path / "resumed"
+    main(train_args("eagle", resumed_dir, **flags, resume_from=checkpoint))
+    first = next(r for r in records(resumed_dir) if r.get("step") == 13 and "lr" in r)
+    assert first["lr"] == pytest.approx(3e-3 * cosine_with_warmup(13, 2, saved["total_steps"], 0.1))
