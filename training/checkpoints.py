@@ -34,6 +34,7 @@ class TrainerState:
     batch: int
     samples: int  # sequences consumed over all processes
     total_steps: int = 0  # the schedule's horizon once --fit_train_minutes has fitted it; 0 = as configured
+    warmup_steps: int = 0  # its warmup, a share of the fitted horizon (with total_steps)
     train_seconds: float = 0.0  # wall-clock seconds of the training loop so far, over every resumed run
 
 

@@ -144,13 +144,13 @@ class TrainConfig:
                                      "runs (the learning-rate "
                                      "schedule still spans max_steps / num_epochs); 0 = no limit. For comparisons "
                                      "at equal training time.", default=0.0)
-    fit_train_minutes: float = _help("Fit training into this many wall-clock minutes of the loop: once warmup ends "
-                                     "(and at least 10 steps), the measured seconds per step set the steps to what "
-                                     "fits, at most the planned ones, so the learning-rate schedule decays to its end "
-                                     "within 95% of the budget (fitted again every eighth of the horizon until "
-                                     "three quarters of it), and the loop stops at the budget; the fitted step count "
-                                     "and the loop's minutes are kept in checkpoints, so a resumed run goes on "
-                                     "with both. 0 = off. Keeps a recipe's time on a slower CPU.",
+    fit_train_minutes: float = _help("Fit training into this many wall-clock minutes of the loop: after 10 steps, "
+                                     "and again every eighth of the horizon until three quarters of it, the measured "
+                                     "seconds per step set the steps to what fits, at most the planned ones, so the "
+                                     "learning-rate schedule (its warmup a share of the fitted horizon) decays to its "
+                                     "end within 95% of the budget, and the loop stops at the budget; the fitted "
+                                     "schedule and the loop's minutes are kept in checkpoints, so a resumed run goes "
+                                     "on with both. 0 = off. Keeps a recipe's time on a slower CPU.",
                                      default=0.0)
     mixed_precision: str | None = _help("no, fp16, bf16 or auto (bf16 autocast where bf16 is fast: CUDA with bf16, a "
                                         "CPU with AVX512-BF16 or AMX; no elsewhere, where torch emulates bf16); unset "

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     planned = steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
                                   config.gradient_accumulation_steps)
     warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
-    # The lambda reads `steps` when it is called: --fit_train_minutes may shorten the horizon after warmup.
+    # The lambda reads `warmup` and `steps` when it is called: --fit_train_minutes sets both to the fitted horizon.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, warmup, steps, config.min_lr_ratio))
     module, optimizer, train_loader = accelerator.prepare(module, optimizer, train_loader)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         accelerator.load_state(str(checkpoint))
         state = read_state(checkpoint)
         if config.fit_train_minutes and state.total_steps:
-            steps = state.total_steps  # the horizon fitted before the interruption
+            steps, warmup = state.total_steps, state.warmup_steps or warmup  # as fitted before the interruption
         accelerator.print(f"resumed from {checkpoint} at step {state.step}")
     if accelerator.is_main_process:
         save_config(config, config.output_dir)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     limits = {flag: minutes for flag, minutes in (("--max_train_minutes", config.max_train_minutes),
                                                     ("--fit_train_minutes", config.fit_train_minutes)) if minutes}
     budget = min(limits.values(), default=0.0) * 60
-    fit_at = max(warmup, min(10, steps)) if config.fit_train_minutes else None
+    fit_at = min(10, planned) if config.fit_train_minutes else None
     first_step_done = started  # the clock after this loop's first step (the steps after it measure the rate)
 
     def main_process_value(value: float) -> float:  # every process acts at the same step on the main one's clock
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         now = time.perf_counter()
         state = TrainerState(step=state.step + 1, epoch=micro[-1].epoch, batch=micro[-1].index + 1,
                              samples=state.samples + global_batch, total_steps=state.total_steps,
-                             train_seconds=earlier_seconds + now - started)
+                             warmup_steps=state.warmup_steps, train_seconds=earlier_seconds + now - started)
         rate = (state.step - started_step) * global_batch / (now - started)
         if state.step == started_step + 1:
             first_step_done = now
@@ -311,13 +311,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if fitted != steps:
                 accelerator.print(f"--fit_train_minutes {config.fit_train_minutes:g}: {per_step:.3f} s per step at "
                                   f"step {state.step}, so the schedule ends at step {fitted} of the {planned} planned")
-            steps, state = fitted, dataclasses.replace(state, total_steps=fitted)
+            steps = fitted
+            if state.step < warmup:  # warmup is a share of the horizon the run will have, not of the planned one
+                warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
+            state = dataclasses.replace(state, total_steps=steps, warmup_steps=warmup)
             fit_at = state.step + max(10, steps // 8)
             fit_at = fit_at if fit_at <= 0.75 * steps else None
             progress.total = steps
             if accelerator.is_main_process:
                 log_line(config, {"step": state.step, "fit_train_minutes": config.fit_train_minutes,
-                                  "seconds_per_step": per_step, "planned_steps": planned, "fitted_steps": steps})
+                                  "seconds_per_step": per_step, "planned_steps": planned, "fitted_steps": steps,
+                                  "warmup_steps": warmup})
         train = depth_metrics(result.stats, config.eval_top_k, prefix="train")
         progress.update(1)
         progress.set_postfix(loss=f"{result.loss:.4f}", top1=f"{train['train/top1_d0']:.3f}",

@@ -84,7 +84,7 @@ def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train
 
     from training.loop import cosine_with_warmup
 
-    flags = {"max_steps": 100000, "fit_train_minutes": 0.05, "warmup_steps": 2, "save_steps": 12,
+    flags = {"max_steps": 100000, "fit_train_minutes": 0.05, "warmup_ratio": 0.2, "save_steps": 12,
              "save_total_limit": 0, "min_lr_ratio": 0.1}
 
     def records(directory):
@@ -98,10 +98,13 @@ def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train
     fits = [r for r in records(out) if "fitted_steps" in r]
     assert fits[0]["step"] == 10 and all(f["planned_steps"] == 100000 for f in fits)
     assert all(12 <= f["fitted_steps"] < 100000 for f in fits)
+    # the warmup is a share of the horizon the first fit gave (20000 steps of the planned 100000 would never end)
+    warmup = int(0.2 * fits[0]["fitted_steps"])
+    assert all(f["warmup_steps"] == warmup for f in fits)
     assert final["step"] <= fits[-1]["fitted_steps"] and final["train/seconds"] < 60
     for record in records(out):
         if "lr" in record and record["step"] > 10:  # the LR logged at step 10 was set before the first fit
-            expected = cosine_with_warmup(record["step"], 2, horizon(fits, record["step"]), 0.1)
+            expected = cosine_with_warmup(record["step"], warmup, horizon(fits, record["step"]), 0.1)
             assert record["lr"] == pytest.approx(3e-3 * expected)
 
     checkpoint = out / "checkpoints" / "step_00000012"
@@ -110,4 +113,5 @@ def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train
     resumed_dir = tmp_path / "resumed"
     main(train_args("eagle", resumed_dir, **flags, resume_from=checkpoint))
     first = next(r for r in records(resumed_dir) if r.get("step") == 13 and "lr" in r)
-    assert first["lr"] == pytest.approx(3e-3 * cosine_with_warmup(13, 2, saved["total_steps"], 0.1))
+    assert saved["warmup_steps"] == warmup
+    assert first["lr"] == pytest.approx(3e-3 * cosine_with_warmup(13, warmup, saved["total_steps"], 0.1))
