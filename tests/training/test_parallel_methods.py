@@ -77,9 +77,9 @@ def test_max_train_minutes_stops_the_loop_and_still_saves(main, train_args, tmp_
 
 
 def test_fit_train_minutes_shortens_the_schedule_and_resume_keeps_it(main, train_args, tmp_path):
-    """A recipe's time on a slower CPU: after warmup the measured step time shortens the horizon, the learning
-    rate then follows the fitted cosine (fitted again as the rate is measured over more steps), and a resumed run
-    goes on with the horizon and the loop's time that its checkpoint holds."""
+    """A recipe's time on a slower CPU: after 10 steps the measured step time shortens the horizon and the warmup
+    becomes a share of it, the learning rate then follows the fitted cosine (fitted again as the rate is measured
+    over more steps), and a resumed run goes on with the horizon, warmup and loop time its checkpoint holds."""
     import json
 
     from training.loop import cosine_with_warmup
