@@ -148,7 +148,7 @@ class TrainConfig:
                                      "and again every eighth of the horizon until three quarters of it, the measured "
                                      "seconds per step set the steps to what fits, at most the planned ones, so the "
                                      "learning-rate schedule (its warmup a share of the fitted horizon) decays to its "
-                                     "end within 95% of the budget, and the loop stops at the budget; the fitted "
+                                     "end within 95%% of the budget, and the loop stops at the budget; the fitted "
                                      "schedule and the loop's minutes are kept in checkpoints, so a resumed run goes "
                                      "on with both. 0 = off. Keeps a recipe's time on a slower CPU.",
                                      default=0.0)
