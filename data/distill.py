@@ -531,7 +531,16 @@ def run(config: DistillConfig) -> dict[str, Any]:
           f"({tokens['loss']} learned), {manifest['conversations_skipped']} skipped, "
           f"{len(skipped_rows)} bad rows; {manifest['generated_tokens_per_second']} generated tok/s "
           f"({description['name']} {description.get('version') or ''})".rstrip())
+    if skipped_rows:
+        print(bad_rows_line(f"--prompts {config.prompts}" if config.prompts else "--sources", skipped_rows))
     return manifest
+
+
+def bad_rows_line(source: str, rows: list, shown: int = 5) -> str:
+    """The first `shown` skipped prompt rows, where and why, and where the rest are."""
+    listed = "; ".join(f"line {row.line}: {row.reason}" for row in rows[:shown])
+    more = f" (and {len(rows) - shown} more)" if len(rows) > shown else ""
+    return f"skipped bad rows of {source}: {listed}{more}; all in manifest.json skipped_row_details"
 
 
 def features_writer(config: DistillConfig, target: Target, identity: dict[str, Any]):

@@ -11,8 +11,9 @@ import pytest
 
 from data import distill
 from data.chat_format import chat_format
-from data.distill import DistillConfig, answer_conversations, run
+from data.distill import DistillConfig, answer_conversations, bad_rows_line, run
 from data.engines import HFEngine, Sampling
+from data.prompts import SkippedRow
 from heads.loading import load_tokenizer
 from tests.tiny_models import REPO, STORIES260K, stories260k
 
@@ -276,3 +277,10 @@ def test_generate_from_several_sources_interleaves_them_and_records_them(referen
         run(config(None, tmp_path / "x", sources=["nope=/no/such.jsonl"]))
     with pytest.raises(ValueError, match="--sources d=.*a distilled dataset"):
         run(config(None, tmp_path / "y", sources=[f"d={reference[0]}"]))
+
+
+def test_the_run_names_the_first_bad_rows_and_where_the_rest_are():
+    rows = [SkippedRow(line, "not JSON: Expecting value") for line in (2, 5, 9)]
+    assert bad_rows_line("--prompts p.jsonl", rows, shown=2) == (
+        "skipped bad rows of --prompts p.jsonl: line 2: not JSON: Expecting value; line 5: not JSON: Expecting value "
+        "(and 1 more); all in manifest.json skipped_row_details")
