@@ -536,7 +536,7 @@ def run(config: DistillConfig) -> dict[str, Any]:
     return manifest
 
 
-def bad_rows_line(source: str, rows: list, shown: int = 5) -> str:
+def bad_rows_line(source: str, rows: list[SkippedRow], shown: int = 5) -> str:
     """The first `shown` skipped prompt rows, where and why, and where the rest are."""
     listed = "; ".join(f"line {row.line}: {row.reason}" for row in rows[:shown])
     more = f" (and {len(rows) - shown} more)" if len(rows) > shown else ""
