@@ -39,6 +39,12 @@ def total_steps(max_steps: int, num_epochs: float, batches_per_epoch: int, accum
     return max(1, math.ceil(num_epochs * batches_per_epoch / accumulation))
 
 
+def warmup_steps(warmup: int, warmup_ratio: float, horizon: int) -> int:
+    """The schedule's warmup: the larger of --warmup_steps and --warmup_ratio of the horizon (the planned steps, or
+    the horizon --fit_train_minutes fitted)."""
+    return max(warmup, int(warmup_ratio * horizon))
+
+
 def steps_within_budget(total: int, done: int, elapsed: float, per_step: float, budget: float) -> int:
     """Optimizer steps that fit in `budget` seconds of the loop when `done` steps took `elapsed` seconds and each
     further step takes `per_step`: never more than `total` (the planned steps), never fewer than `done`."""

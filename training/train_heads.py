@@ -64,6 +64,7 @@ from training.loop import (
     steps_within_budget,
     total_steps,
     train_step,
+    warmup_steps,
 )
 from training.methods import build_training_module
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # planned: the configured horizon, which --fit_train_minutes may shorten (`steps`), never lengthen
     planned = steps = total_steps(config.max_steps, config.num_epochs, len(train_loader) // accelerator.num_processes,
                                   config.gradient_accumulation_steps)
-    warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
+    warmup = warmup_steps(config.warmup_steps, config.warmup_ratio, steps)
     # The lambda reads `warmup` and `steps` when it is called: --fit_train_minutes sets both to the fitted horizon.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, warmup, steps, config.min_lr_ratio))
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   f"step {state.step}, so the schedule ends at step {fitted} of the {planned} planned")
             steps = fitted
             if state.step < warmup:  # warmup is a share of the horizon the run will have, not of the planned one
-                warmup = max(config.warmup_steps, int(config.warmup_ratio * steps))
+                warmup = warmup_steps(config.warmup_steps, config.warmup_ratio, steps)
             state = dataclasses.replace(state, total_steps=steps, warmup_steps=warmup)
             fit_at = state.step + max(10, steps // 8)
             fit_at = fit_at if fit_at <= 0.75 * steps else None
