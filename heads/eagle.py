@@ -42,11 +42,12 @@ class EagleDraft(HeadsModule, kind="eagle"):
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor, *, embed_tokens: nn.Module,
                 position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None) -> DraftOutput:
-        """hidden_states [B, S, H] features f_t; input_ids [B, S] tokens t+1 -> features f_{t+1} [B, S, H]."""
+                past_key_value: LayerKV | None = None, last: int | None = None) -> DraftOutput:
+        """hidden_states [B, S, H] features f_t; input_ids [B, S] tokens t+1 -> features f_{t+1} [B, S, H] (the
+        last `last` rows only, when given: DecoderLayer.forward)."""
         embeds = embed_tokens(input_ids).to(hidden_states.dtype)
         x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
-        out, kv = self.layers[0](x, position_ids, attention_mask, past_key_value)
+        out, kv = self.layers[0](x, position_ids, attention_mask, past_key_value, last=last)
         return DraftOutput(out, kv)
 
     def compute_logits(self, hidden_states: Tensor, lm_head: nn.Module) -> Tensor:
@@ -81,10 +82,11 @@ class Eagle3Draft(OwnLMHeadDraft, kind="eagle3"):
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor, *, embed_tokens: nn.Module,
                 position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None) -> DraftOutput:
+                past_key_value: LayerKV | None = None, last: int | None = None) -> DraftOutput:
         """hidden_states [B, S, H] (projected target features, or the draft's previous pre-norm output);
-        input_ids [B, S] tokens t+1 -> pre-norm output [B, S, H] (feed it back, or `compute_logits`)."""
+        input_ids [B, S] tokens t+1 -> pre-norm output [B, S, H] (feed it back, or `compute_logits`; the last
+        `last` rows only, when given)."""
         embeds = embed_tokens(input_ids).to(hidden_states.dtype)
         out, kv = self.midlayer(hidden_states, position_ids, attention_mask, past_key_value,
-                                inputs_embeds=embeds)
+                                inputs_embeds=embeds, last=last)
         return DraftOutput(out, kv)

@@ -150,12 +150,17 @@ class Attention(nn.Module):
         return LayerKV(apply_rope(k.transpose(1, 2), cos, sin), v)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_mask: Tensor | None,
-                past_key_value: LayerKV | None) -> tuple[Tensor, LayerKV]:
+                past_key_value: LayerKV | None, last: int | None = None) -> tuple[Tensor, LayerKV]:
+        """-> (output [B, S, H], cache with past + S slots); with `last`, the output of the last `last` rows only
+        (every row still adds its keys and values to the cache: what feeding committed entries needs)."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        rows = length if last is None else last
+        if not 0 < rows <= length:
+            raise ValueError(f"Attention: last must be in 1..{length}, got {last}")
+        q = self.q_proj(x[:, length - rows:]).view(batch, rows, self.num_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
+        q = apply_rope(q.transpose(1, 2), cos[:, length - rows:], sin[:, length - rows:])
         own = self.key_value(x, cos, sin)
         k, v = own.key, own.value
         if past_key_value is not None:
@@ -164,18 +169,20 @@ class Attention(nn.Module):
         new_kv = LayerKV(k, v)
         past = k.shape[-2] - length
         if attention_mask is None:
-            attention_mask = causal_mask(batch, length, past, q.dtype, q.device)
+            attention_mask = causal_mask(batch, rows, past + length - rows, q.dtype, q.device)
         elif attention_mask.dim() != 4 or attention_mask.shape[-1] != past + length or \
                 attention_mask.shape[-2] != length:
             raise ValueError(f"attention_mask: expected [B, 1, {length}, {past + length}] (past {past} + "
                              f"{length} new), got {list(attention_mask.shape)}")
         elif attention_mask.dtype == torch.bool:
             raise ValueError("attention_mask: pass an additive float mask (0 / finfo.min), not a bool mask")
+        else:
+            attention_mask = attention_mask[..., length - rows:, :]
         # grouped-query heads read their KV head in the kernel (no repeated copy of the whole cache per call)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(q.dtype),
                                              scale=self.head_dim ** -0.5,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch, rows, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
 
 
@@ -224,11 +231,13 @@ class DecoderLayer(nn.Module):
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, hidden_states: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None, inputs_embeds: Tensor | None = None
-                ) -> tuple[Tensor, LayerKV]:
+                past_key_value: LayerKV | None = None, inputs_embeds: Tensor | None = None,
+                last: int | None = None) -> tuple[Tensor, LayerKV]:
         """hidden_states [B, S, H], position_ids [B, S] -> (output [B, S, H], LayerKV [B, KVH, past+S, D]).
 
-        `inputs_embeds` [B, S, H] is required in mode "eagle3" and refused otherwise.
+        `inputs_embeds` [B, S, H] is required in mode "eagle3" and refused otherwise. `last`: compute the output
+        of the last `last` rows only ([B, last, H]); the others only add their keys and values to the cache, so
+        feeding n committed entries costs their K/V projections, not n attention + MLP rows.
         """
         if position_ids.shape != hidden_states.shape[:2]:
             raise ValueError(f"position_ids: expected shape {list(hidden_states.shape[:2])}, "
@@ -247,8 +256,8 @@ class DecoderLayer(nn.Module):
         else:
             x = hidden_states
         cos, sin = self.rotary(position_ids, x.dtype)
-        attn, new_kv = self.self_attn(x, cos, sin, attention_mask, past_key_value)
-        hidden_states = residual + attn
+        attn, new_kv = self.self_attn(x, cos, sin, attention_mask, past_key_value, last)
+        hidden_states = residual[:, residual.shape[1] - attn.shape[1]:] + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, new_kv
 

@@ -47,14 +47,15 @@ class MTPHeads(HeadsModule, kind="mtp"):
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor, *, depth: int, embed_tokens: nn.Module,
                 position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None) -> DraftOutput:
-        """Depth `depth`: h_d [B, S, H] and tokens t+d+1 [B, S] -> h_{d+1} [B, S, H] (+ that depth's cache)."""
+                past_key_value: LayerKV | None = None, last: int | None = None) -> DraftOutput:
+        """Depth `depth`: h_d [B, S, H] and tokens t+d+1 [B, S] -> h_{d+1} [B, S, H] (+ that depth's cache; the last
+        `last` rows only, when given: heads.layers.DecoderLayer.forward)."""
         if not 0 <= depth < self.num_depths:
             raise ValueError(f"MTPHeads: depth must be in [0, {self.num_depths}), got {depth}")
         layer = self.layers[depth]
         embeds = embed_tokens(input_ids).to(hidden_states.dtype)
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden_states)], dim=-1))
-        out, kv = layer.block(x, position_ids, attention_mask, past_key_value)
+        out, kv = layer.block(x, position_ids, attention_mask, past_key_value, last=last)
         return DraftOutput(out, kv)
 
     def compute_logits(self, hidden_states: Tensor, *, depth: int, lm_head: nn.Module) -> Tensor:

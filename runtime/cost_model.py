@@ -258,6 +258,11 @@ def _tree_text(tree) -> str:
     return str(parents.tolist()) if isinstance(parents, torch.Tensor) else repr(tree)
 
 
+# Bumped when the drafters' own code changes what a draft or a feed costs, so cached draft times are measured again
+# (2: feeding committed entries computes the newest entry's output only, heads.layers.DecoderLayer's `last`)
+DRAFT_CODE_VERSION = "draft-code-2"
+
+
 def drafter_key(proposer) -> str | None:
     """What a heads drafter's time depends on, hashed: its class, size and tree shape, the shapes and dtypes of its
     weights (not their values: the timer forwards every level whatever the weights say) and of its draft LM head.
@@ -265,7 +270,8 @@ def drafter_key(proposer) -> str | None:
     heads = getattr(proposer, "heads", None)
     if not isinstance(heads, torch.nn.Module):
         return None
-    parts = [type(proposer).__name__, str(proposer.tree_size), repr(getattr(proposer, "dynamic", None)),
+    parts = [DRAFT_CODE_VERSION, type(proposer).__name__, str(proposer.tree_size),
+             repr(getattr(proposer, "dynamic", None)),
              _tree_text(getattr(proposer, "tree", None)), _tree_text(getattr(proposer, "chain", None))]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in heads.state_dict().items()]
     lm_head = getattr(proposer, "draft_lm_head", None)

@@ -171,10 +171,11 @@ class EagleProposer:
         self._pending = new if self._pending is None else torch.cat([self._pending, new])
 
     def _step(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-              kv: LayerKV | None) -> tuple[Tensor, LayerKV]:
-        """One draft-layer call over n entries: features [n, H], tokens [n], positions [n] -> ([n, H], kv)."""
+              kv: LayerKV | None, last: int | None = None) -> tuple[Tensor, LayerKV]:
+        """One draft-layer call over n entries: features [n, H], tokens [n], positions [n] -> ([n, H], kv); with
+        `last`, the outputs of the last `last` entries only (the others add their keys and values to kv)."""
         out = self.heads(features[None], tokens[None], embed_tokens=self.embed_tokens, position_ids=positions[None],
-                         attention_mask=mask, past_key_value=kv)
+                         attention_mask=mask, past_key_value=kv, last=last)
         return out.hidden_states[0], out.past_key_value
 
     def _feed_committed(self, committed_ids: Tensor) -> int:
@@ -189,7 +190,8 @@ class EagleProposer:
             device = self._pending.device
             tokens = committed_ids[start + 1: root_pos + 1].to(device)
             positions = torch.arange(start, root_pos, device=device)
-            out, self._kv = self._step(self._pending[:count], tokens, positions, None, self._kv)
+            # drafting reads the newest entry's output only; the others are needed as keys and values
+            out, self._kv = self._step(self._pending[:count], tokens, positions, None, self._kv, last=1)
             self._last = out[-1]
             self._pending = self._pending[count:]
         return root_pos

@@ -78,12 +78,13 @@ class MTPProposer:
         new = hidden.index_select(0, torch.tensor(accepted_nodes, device=hidden.device)).to(self.dtype)
         self._known[0] = new if self._known[0] is None else torch.cat([self._known[0], new])
 
-    def _run(self, depth: int, hidden: Tensor, tokens: Tensor, start: int, kv: LayerKV | None
-             ) -> tuple[Tensor, LayerKV]:
-        """Depth `depth` over entries start..start+n-1 (causal over its cache): hidden [n, H], tokens [n]."""
+    def _run(self, depth: int, hidden: Tensor, tokens: Tensor, start: int, kv: LayerKV | None,
+             last: int | None = None) -> tuple[Tensor, LayerKV]:
+        """Depth `depth` over entries start..start+n-1 (causal over its cache): hidden [n, H], tokens [n]; the
+        outputs of the last `last` entries only, when given."""
         positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
         out = self.heads(hidden[None], tokens[None].to(hidden.device), depth=depth, embed_tokens=self.embed_tokens,
-                         position_ids=positions[None], past_key_value=kv)
+                         position_ids=positions[None], past_key_value=kv, last=last)
         return out.hidden_states[0], out.past_key_value
 
     def _logits(self, depth: int, h: Tensor) -> Tensor:
@@ -103,7 +104,9 @@ class MTPProposer:
                 raise ValueError("MTP proposer: hidden states missing for committed tokens (call reset and "
                                  "on_accept with the loop's hidden states)")
             tokens = committed_ids[start + depth + 1: root_pos + 1]
-            out, self._kv[depth] = self._run(depth, known[:count], tokens, start, self._kv[depth])
+            deepest = depth + 1 == self.heads.num_depths  # no depth reads its outputs: only depth 0's newest is kept
+            out, self._kv[depth] = self._run(depth, known[:count], tokens, start, self._kv[depth],
+                                             last=1 if deepest else None)
             self._known[depth] = known[count:]
             if depth == 0:
                 self._last = out[-1]

@@ -64,6 +64,38 @@ def test_cache_and_tree_mask_match_full_causal_forward():
     torch.testing.assert_close(kept.key, kv2.crop(6).key, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["llama", "eagle", "eagle3"])
+def test_last_rows_only_equal_the_full_forward_and_cache(mode):
+    """`last`: the outputs of the last rows only, the cache of all of them (what feeding committed entries needs),
+    with and without a past and with an explicit mask."""
+    layer = DecoderLayer(HeadsConfig.for_target("mtp", LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256), "tiny"), mode=mode).to(torch.float64)
+    torch.manual_seed(1)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 9, 64, dtype=torch.float64)
+    embeds = torch.randn(1, 9, 64, dtype=torch.float64) if mode == "eagle3" else None
+    pos = torch.arange(9)[None]
+    full, full_kv = layer(x, pos, inputs_embeds=embeds)
+    for last in (1, 3, 9):
+        got, kv = layer(x, pos, inputs_embeds=embeds, last=last)
+        assert got.shape == (1, last, 64)
+        torch.testing.assert_close(got, full[:, 9 - last:], atol=1e-12, rtol=0)
+        torch.testing.assert_close(kv.key, full_kv.key, atol=0, rtol=0)
+        torch.testing.assert_close(kv.value, full_kv.value, atol=0, rtol=0)
+    _, past = layer(x[:, :4], pos[:, :4], inputs_embeds=None if embeds is None else embeds[:, :4])
+    rest = None if embeds is None else embeds[:, 4:]
+    got, kv = layer(x[:, 4:], pos[:, 4:], past_key_value=past, inputs_embeds=rest, last=2)
+    torch.testing.assert_close(got, full[:, 7:], atol=1e-12, rtol=0)
+    assert kv.length == 9
+    mask = causal_mask(1, 5, 4, torch.float64)
+    got, _ = layer(x[:, 4:], pos[:, 4:], attention_mask=mask, past_key_value=past, inputs_embeds=rest, last=1)
+    torch.testing.assert_close(got, full[:, 8:], atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="last"):
+        layer(x, pos, inputs_embeds=embeds, last=10)
+
+
 def test_bad_mask_shapes_and_bool_masks_are_refused():
     _, layer, _ = _pair(ROPES[0])
     x = torch.randn(1, 3, 64, dtype=torch.float64)
