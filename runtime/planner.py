@@ -71,6 +71,20 @@ def best_row(rows: Sequence[dict]) -> dict:
     return max(rows, key=lambda r: (r["tokens_per_second"], -r["size"]))
 
 
+def widest_equal(rows: Sequence[dict], best: dict) -> dict:
+    """Among the rows of `best`'s size and depth whose held-out expected tau equals best's, the one of the largest
+    `top_k` (best itself for shapes without one). The held-out table values an EAGLE-2 tree by its best static shape,
+    so widths that allow that shape tie; at run time the dynamic tree picks its nodes by the draft's own confidence,
+    and a wider top_k lets it put three children under an unsure root. Their measured draft times differ by noise
+    (0.2 ms of a 44 ms step); on 28 prompts of 7 kinds (float32, SmolLM2-135M, the main job's head, size 3, depth 2)
+    top_k 8 ran 1.1% faster than top_k 2, modelled, over two runs (docs/results/resting_heads.md)."""
+    if "top_k" not in best:
+        return best
+    same = [r for r in rows if r.get("top_k") is not None and r["size"] == best["size"]
+            and r.get("depth") == best.get("depth") and r["expected_tau"] == best["expected_tau"]]
+    return max(same, key=lambda r: (r["top_k"], r["tokens_per_second"]))
+
+
 def best_size(rows: Sequence[dict]) -> int:
     return int(best_row(rows)["size"])
 
@@ -203,7 +217,7 @@ def plan_drafter(family: DrafterFamily, target: TargetModel, kv_length: int = 25
         rows += [{**row, **shape} for row in plan_rows(profile, lambda r, q: curve.seconds_at(q), batch=1)]
     if len(rows) == 1:
         raise ValueError(f"{family.kind} heads: no draft size to choose from")
-    best = best_row(rows if allow_off else rows[1:])
+    best = widest_equal(rows, best_row(rows if allow_off else rows[1:]))
     shape = {k: int(best[k]) for k in family.shapes[0]} if best["size"] else {}
     if best["size"] == 0:  # plain decoding is predicted fastest: nothing to draft at any batch size
         return Plan({}, 0, rows, DraftProfile([0], [1.0], [0.0], "plain decoding"))

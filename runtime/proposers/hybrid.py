@@ -14,9 +14,10 @@ plain step), and takes the best of:
 feed is what the head pays before it can draft: the committed entries it missed while it rested (its state keeps
 the target's features of every committed token, and an EAGLE or MTP layer runs them through in one call at its next
 propose; runtime.proposers.base.pending_entries), at the per-entry time measured when the costs were
-(runtime.cost_model.StepCosts.feed). After 40 lookup steps of a copied answer a head has ~400 entries to feed: 50 ms,
-1.4 plain steps of SmolLM2-135M, measured on this project's CPU, where its own draft costs 4 ms; priced at the draft
-alone, the "both" option looked cheap and the first head step after a copied stretch cost a step and a half.
+(runtime.cost_model.StepCosts.feed). After 40 lookup steps of a copied answer a head has ~400 entries to feed: 14 ms,
+0.4 of a plain step of SmolLM2-135M, measured on this project's CPU, where its own draft costs 4 ms (50 ms before the
+feed computed only the keys and values of all but the newest entry); priced at the draft alone, the "both" option
+looked cheap and the first head step after a copied stretch cost more than it promised.
 k is what prompt lookup alone would draft (runtime.proposers.prompt_lookup: the prefix length of the match that
 pays most per unit cost, by this sequence's learned conditional acceptances a_i, with its REQUIRED_GAIN margin over a
 plain step), m is the head's planned size, tau_h this sequence's accepted length per head draft (a RunningTau whose

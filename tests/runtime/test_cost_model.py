@@ -88,3 +88,24 @@ def test_load_curve_reads_the_runtime_cache_and_bench_cost_curve_output(tmp_path
     save_curve(curve, tmp_path / "bare.json")
     (tmp_path / "record.json").write_text(json.dumps({"curve": dataclasses.asdict(curve), "relative": [1.0]}))
     assert load_curve(tmp_path / "bare.json") == curve == load_curve(tmp_path / "record.json")
+
+
+def test_equal_expected_trees_take_the_widest_top_k():
+    """Shapes the held-out table values alike (same size and depth, same expected tau) differ only in how far the
+    dynamic tree may branch at run time: the planner takes the largest top_k, whatever their draft-time noise."""
+    from runtime.planner import best_row, widest_equal
+
+    def row(size, depth, top_k, tau, tps):
+        return dict(size=size, depth=depth, top_k=top_k, expected_tau=tau, tokens_per_second=tps)
+
+    rows = [dict(size=0, expected_tau=1.0, tokens_per_second=26.0),
+            row(3, 2, 2, 1.68, 38.6), row(3, 2, 4, 1.68, 38.4), row(3, 2, 8, 1.68, 38.3),
+            row(3, 3, 8, 1.68, 37.5), row(1, 2, 8, 1.43, 37.4)]
+    assert widest_equal(rows, best_row(rows)) == rows[3]
+    # a wider shape the table values higher or lower is a different tree: not a tie
+    rows[3] = row(3, 2, 8, 1.70, 38.3)
+    assert widest_equal(rows, best_row(rows)) == rows[2]
+    # plain decoding, or a family without shapes, is kept as it is
+    assert widest_equal(rows, rows[0]) == rows[0]
+    assert widest_equal([dict(size=2, expected_tau=1.5, tokens_per_second=30.0)],
+                        dict(size=2, expected_tau=1.5, tokens_per_second=30.0))["size"] == 2
