@@ -413,10 +413,10 @@ class TargetModel:
         if usable is None:
             probe = torch.arange(4, device=self.device)[None] % self.vocab_size
             try:
-                reference = self.model(input_ids=probe, use_cache=True, past_key_values=DynamicCache(),
-                                       output_hidden_states=True)
+                reference = self.model(input_ids=probe, use_cache=True, output_hidden_states=True,
+                                       **{self._cache_kwarg: DynamicCache()})
                 with self._capture.catching(indices) as caught:
-                    self.model(input_ids=probe, use_cache=True, past_key_values=DynamicCache())
+                    self.model(input_ids=probe, use_cache=True, **{self._cache_kwarg: DynamicCache()})
                 usable = all(i in caught and torch.equal(caught[i], reference.hidden_states[i]) for i in indices)
                 why = "they differ from transformers' output_hidden_states"
             except Exception as error:  # any surprise: transformers' own path
