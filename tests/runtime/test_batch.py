@@ -3,6 +3,8 @@ plain greedy decoding (rows of different lengths, rows finishing at different st
 proposer, sliding windows), finished rows leave the batch, rejection sampling stays exact per row at batch 4,
 and bad batches are refused naming the row."""
 
+import functools
+
 import pytest
 import torch
 
@@ -104,6 +106,7 @@ def test_rows_finish_at_different_steps_and_leave_the_batch():
     batch_sizes = []
     original = model.forward
 
+    @functools.wraps(original)  # keeps forward's signature: the target passes its cache by the keyword forward takes
     def spy(*args, **kwargs):
         batch_sizes.append(kwargs["input_ids"].shape[0])
         return original(*args, **kwargs)
