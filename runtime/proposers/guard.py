@@ -458,13 +458,17 @@ class PayingGuard:
         self._draft_seconds += ended - started  # read only for a drafted step
         drafted = draft.tree.num_nodes > 1
         step_seconds = ended - self._step_started
-        if self._asked and not drafted:  # the drafter was asked and declined (its confidence gate): charged, but
-            # neither a plain step for the clock (its drafter time would make plain steps look dearer) nor a draft
-            # for the tau estimate (the gate chose it, not the text)
+        if self._asked and not drafted:  # the drafter was asked and declined (its confidence gate): charged; its
+            # verify was the root's alone, so the step less the drafter's time is a plain step for the clock (a
+            # guard that drafts at most steps runs few other plain steps: without these, its plain time would stay
+            # the verify ratio's prior and hide a verify dearer than modelled); not a draft for the tau estimate
+            # (the gate chose it, not the text)
             price = self.declined_step_price(step_seconds)
             self.ledger.add(len(accepted_nodes), price)
             self._declined.observe(price, 1.0)
             self.asks.observe_ask(False)
+            if self.clock is not None:
+                self.clock.observe_plain(self._kv_length, max(step_seconds - self._draft_seconds, 0.0))
             self._drafted_before = True
             return
         if drafted:

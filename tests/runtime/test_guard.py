@@ -391,7 +391,8 @@ class _DecliningChain(_SleepyChain):
 
 def test_a_drafter_that_keeps_declining_is_charged_and_rested():
     """Asked steps the drafter declines (its gate) cost their measured time on the ledger (the first ask, which fed
-    it the prompt, as a plain step), are not plain steps for the clock and not drafts for the tau estimate. A drafter
+    it the prompt, as a plain step), are plain steps for the clock less the drafter's time, and not drafts for the
+    tau estimate. A drafter
     that declines at 0.3 of a plain step each time soon rests but for probes, so the sequence loses at most the
     guard's budget; before (declines priced as plain steps), it was asked at every step and lost 30%."""
     from runtime.proposers.guard import LOSS_BUDGET, LOSS_SLACK
@@ -417,6 +418,45 @@ def test_a_drafter_that_keeps_declining_is_charged_and_rested():
     # the budget, the first ask, the ask that crossed it, and the probes while over it (each at most 0.3)
     assert lost <= LOSS_BUDGET * steps + LOSS_SLACK + 0.3 + 0.3 + 0.3 * (inner.calls - 3) / 2
     assert lost / steps < 0.025
+
+
+class _SometimesDeclining(_SleepyChain):
+    """A drafter whose gate declines every `every`-th ask (the root alone) and drafts its chain otherwise; each
+    propose takes `seconds` on the test's clock."""
+
+    def __init__(self, draft: Draft, clock: _FakeClock, seconds: float, every: int):
+        super().__init__(draft, clock, seconds)
+        self.every, self.calls = every, 0
+
+    def propose(self, committed_ids, max_tokens) -> Draft:
+        self.clock.seconds += self.seconds
+        self.calls += 1
+        return Draft(tokens=committed_ids[-1:], tree=Tree.chain(0)) if self.calls % self.every == 0 else self.draft
+
+
+def test_declined_asks_time_plain_steps_so_a_dearer_verify_shows():
+    """The model says a drafted step costs 1.15 plain steps (verify 1.05, drafter 0.1), but here a drafted step's
+    verify takes 1.25 plain steps, which only plain steps timed beside the drafted ones can show. A guard whose
+    drafter is asked at every step and declines one ask in three (its gate) runs no other plain step: the declined
+    asks, less the drafter's time, are its plain steps. So the clock reads a plain step at its true time and the
+    step cost at its true 1.35, and a head accepting 1.2 tokens a drafted step rests; before, the plain time stayed
+    the verify ratio's prior, the step cost read ~1.15 and the head drafted throughout, losing."""
+    chain = Draft(tokens=PROMPT[-3:], tree=Tree.chain(2))
+    clock = _FakeClock()
+    inner = _SometimesDeclining(chain, clock, 0.001, every=3)
+    guard = PayingGuard(inner, step_cost=lambda kv_length: 1.15, expected_tau=1.2, timed=_costs(0.010, 0.0105, 0.001),
+                        verify_tokens=3, clock=clock, gate=True)
+    committed, drafted = PROMPT.clone(), []
+    for step in range(200):
+        draft = guard.propose(committed, 3)
+        is_drafted = draft.tree.num_nodes > 1
+        clock.seconds += 0.0125 if is_drafted else 0.010
+        accepted = 2 if is_drafted and step % 10 < 2 else 1  # ~1.2 tokens a drafted step
+        guard.on_accept(committed, draft, list(range(accepted)), None)
+        drafted.append(is_drafted)
+    assert guard.clock.plain_ratio == pytest.approx(1.0, abs=0.02)
+    assert 1.25 < guard.step_cost <= 1.36  # true 1.35; the verify ratio keeps part of its prior (few drafts)
+    assert sum(drafted[-100:]) < 20
 
 
 class _Confident:
