@@ -117,7 +117,7 @@ class StepClock:
     for the first two, the verify ratio's current value for the plain one (the machine as a whole may be slower
     or faster than when the curves were measured; only plain steps timed beside drafted ones tell the two apart).
     So a drafter slower than it was measured shows at its next step, a verify dearer than modelled once the
-    sequence has run plain steps too (resting, between probes)."""
+    sequence has run plain steps too (resting, between probes, or asks its drafter declined, less its time)."""
 
     def __init__(self, costs: StepCosts, tokens: int, prior_steps: int = CLOCK_PRIOR_STEPS, decay: float = DECAY):
         self.costs, self.tokens, self.prior_steps, self.decay = costs, tokens, prior_steps, decay

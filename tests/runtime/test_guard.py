@@ -392,9 +392,9 @@ class _DecliningChain(_SleepyChain):
 def test_a_drafter_that_keeps_declining_is_charged_and_rested():
     """Asked steps the drafter declines (its gate) cost their measured time on the ledger (the first ask, which fed
     it the prompt, as a plain step), are plain steps for the clock less the drafter's time, and not drafts for the
-    tau estimate. A drafter
-    that declines at 0.3 of a plain step each time soon rests but for probes, so the sequence loses at most the
-    guard's budget; before (declines priced as plain steps), it was asked at every step and lost 30%."""
+    tau estimate. A drafter that declines at 0.3 of a plain step each time soon rests but for probes, so the
+    sequence loses at most the guard's budget; before (declines priced as plain steps), it was asked at every step
+    and lost 30%."""
     from runtime.proposers.guard import LOSS_BUDGET, LOSS_SLACK
 
     clock = _FakeClock()
