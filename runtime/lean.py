@@ -43,9 +43,14 @@ class LeanOutput:
     hidden_states: list[torch.Tensor | None] | dict[int, torch.Tensor]  # a dict from HiddenCapture
 
 
-def lean_unavailable(model: nn.Module) -> str:
-    """Why the lean forward cannot serve `model` ('' when it can): a bf16 Llama-family model on a CPU, no sliding
-    window, SiLU MLP, every Linear on the panel kernel, the row attention kernel built."""
+def lean_unavailable(model: nn.Module, float32: bool = False) -> str:
+    """Why the lean forward cannot serve `model` ('' when it can): a bf16 Llama-family model on a CPU (float32 too
+    with `float32`), no sliding window, SiLU MLP, every Linear on the panel kernel, the row attention kernel built.
+
+    float32 is for answering, not for exact decoding: there the row kernel sums a row's attention in another order
+    than torch's sdpa, so logits differ from transformers' forward in the last bits (a near-tie can flip, as between
+    any two engines); data.engines.RuntimeEngine takes it for data, where it answers ~1.3x faster (the keys and
+    values written in place instead of a torch.cat of the whole cache per layer and step)."""
     config = model.config.get_text_config()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -54,8 +59,10 @@ def lean_unavailable(model: nn.Module) -> str:
     kinds = {type(layer).__name__ for layer in layers}
     if not kinds <= set(LAYER_CLASSES):
         return f"decoder layers {sorted(kinds)} are not among {list(LAYER_CLASSES)}"
-    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        return f"the lean forward serves bfloat16 on a CPU (this target: {model.dtype} on {model.device})"
+    dtypes = (torch.bfloat16, torch.float32) if float32 else (torch.bfloat16,)
+    if model.dtype not in dtypes or model.device.type != "cpu":
+        wanted = "bfloat16 or float32" if float32 else "bfloat16"
+        return f"the lean forward serves {wanted} on a CPU (this target: {model.dtype} on {model.device})"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         return "sliding-window attention (the masks of the model's own forward serve it)"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
@@ -71,6 +78,22 @@ def lean_unavailable(model: nn.Module) -> str:
     if missing:
         return "not every Linear layer runs on the panel kernel (--weight_layout with +panels)"
     return ""
+
+
+def _product(h: torch.Tensor, panels: torch.Tensor, width: int, bias: torch.Tensor | None,
+             parts: list[tuple[nn.Linear, int]]) -> torch.Tensor:
+    """h [M, K] times the weights of `parts` (each Linear with its first output column), [M, width]: on the panel
+    kernel, or, for float32 rows beyond PANEL_MAX_ROWS, on the BLAS, module by module (as runtime.layout's Linear
+    forward does there, 1.5-2x faster than the panels at 64 rows; the padding columns are then left unwritten and
+    never read)."""
+    if h.dtype != torch.float32 or h.shape[0] <= kernels.PANEL_MAX_ROWS:
+        return kernels.panel_product(h, panels, width, bias)
+    if len(parts) == 1:
+        return nn.functional.linear(h, parts[0][0].weight, parts[0][0].bias)
+    out = h.new_empty(h.shape[0], width)
+    for module, first in parts:
+        out[:, first:first + module.out_features] = nn.functional.linear(h, module.weight, module.bias)
+    return out
 
 
 def _fused(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, int]]]:
@@ -102,10 +125,15 @@ class _Layer:
         self.rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         self.rotate_half = sys.modules[type(attention).__module__].rotate_half
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
-        self.qkv, self.qkv_bias, self.qkv_spans = _fused([attention.q_proj, attention.k_proj, attention.v_proj])
+        qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+        self.qkv, self.qkv_bias, self.qkv_spans = _fused(qkv)
         self.qkv_width = _padded(self.qkv)
+        self.qkv_parts = [(module, first) for module, (first, _) in zip(qkv, self.qkv_spans, strict=True)]
         self.gate_up, self.gate_up_bias, self.gate_up_spans = _fused([mlp.gate_proj, mlp.up_proj])
         self.gate_up_width = _padded(self.gate_up)
+        self.gate_up_parts = [(module, first) for module, (first, _) in
+                              zip((mlp.gate_proj, mlp.up_proj), self.gate_up_spans, strict=True)]
+        self.o_parts, self.down_parts = [(attention.o_proj, 0)], [(mlp.down_proj, 0)]
         self.act = mlp.act_fn
         self.o_panels, self.o_bias = _panels_and_bias(attention.o_proj)
         self.down_panels, self.down_bias = _panels_and_bias(mlp.down_proj)
@@ -139,7 +167,7 @@ class _Layer:
                  allowed: torch.Tensor) -> torch.Tensor:
         batch, n, width = x.shape
         h = self.input_norm(x).view(batch * n, width)
-        qkv = kernels.panel_product(h, self.qkv, self.qkv_width, self.qkv_bias).view(batch, n, -1)
+        qkv = _product(h, self.qkv, self.qkv_width, self.qkv_bias, self.qkv_parts).view(batch, n, -1)
         (q0, q_out), (k0, k_out), (v0, v_out) = self.qkv_spans
         heads = (batch, n, -1, self.head_dim)
         value = qkv[..., v0:v0 + v_out].view(heads).transpose(1, 2)
@@ -156,14 +184,14 @@ class _Layer:
             query, key = self.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         keys, values = self._append(cache_layer, key, value)
         attended = kernels.row_attention(query, keys, values, allowed, self.scaling)  # [B, n, Hq, D]
-        x = x + kernels.panel_product(attended.view(batch * n, -1), self.o_panels, width,
-                                      self.o_bias).view(batch, n, width)
+        x = x + _product(attended.view(batch * n, -1), self.o_panels, width, self.o_bias,
+                         self.o_parts).view(batch, n, width)
         h = self.post_norm(x).view(batch * n, width)
-        gate_up = kernels.panel_product(h, self.gate_up, self.gate_up_width, self.gate_up_bias)
+        gate_up = _product(h, self.gate_up, self.gate_up_width, self.gate_up_bias, self.gate_up_parts)
         (g0, g_out), (u0, u_out) = self.gate_up_spans
         # each row's own slice: the activation's vector loop and scalar tail fall on the same columns for every row
         activated = self.act(gate_up[:, g0:g0 + g_out]) * gate_up[:, u0:u0 + u_out]
-        return x + kernels.panel_product(activated, self.down_panels, width, self.down_bias).view(batch, n, width)
+        return x + _product(activated, self.down_panels, width, self.down_bias, self.down_parts).view(batch, n, width)
 
 
 def _panels_and_bias(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,8 +214,8 @@ class LeanForward:
     `lean_unavailable`). Call it with a DynamicCache whose layers hold the committed slots (plus earlier pending
     ones), input_ids and positions [B, n], allowed keys [B, n, L + n] (bool or uint8, slot order)."""
 
-    def __init__(self, model: nn.Module):
-        why_not = lean_unavailable(model)
+    def __init__(self, model: nn.Module, float32: bool = False):
+        why_not = lean_unavailable(model, float32)
         if why_not:
             raise ValueError(f"lean forward: {why_not}")
         base = model.model

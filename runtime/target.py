@@ -281,6 +281,7 @@ class TargetModel:
         # decode steps and verifies through runtime.lean (set by the load-time verify check when that forward gives
         # transformers' logits bit for bit on this model; rebuilt after a weight layout change)
         self.lean_wanted = False
+        self.lean_float32 = False  # float32 too (data.engines.RuntimeEngine: answers, not exact decoding)
         self._lean: LeanForward | None = None
         self._capture = HiddenCapture(model, self.num_layers)
         self.cache: DynamicCache | None = None
@@ -432,7 +433,8 @@ class TargetModel:
         if not self.lean_wanted or self.mode != "tree":
             return None
         if self._lean is None or not self._lean.current():
-            self._lean = None if lean_unavailable(self.model) else LeanForward(self.model)
+            float32 = self.lean_float32
+            self._lean = None if lean_unavailable(self.model, float32) else LeanForward(self.model, float32)
         return self._lean
 
     @torch.inference_mode()

@@ -386,6 +386,36 @@ def lean_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
             f"for bit")
 
 
+LEAN_DATA_TOLERANCE = 1e-4  # of the largest |logit|: float32's summation orders differ by ~1e-6 of it
+
+
+def lean_for_answers(target: TargetModel) -> str:
+    """Turn the lean forward on for a float32 target that answers prompts (data.engines.RuntimeEngine), not one that
+    decodes exactly: there its row attention sums in another order than torch's sdpa, so its logits are transformers'
+    up to float32 rounding, not bit for bit (a near-tie can flip, as between any two engines). Checked first on
+    STEPS_PROBE one-token steps: logits and last hidden states within LEAN_DATA_TOLERANCE of the largest |value| of
+    transformers' forward, every step's argmax equal, and its own verify == its steps. Returns the one line saying
+    what was decided ('' where it does not apply: not float32, not a model the lean forward serves)."""
+    if target.dtype != torch.float32 or target.mode != "tree" or target.lean_wanted or lean_unavailable(
+            target.model, float32=True) or (target.max_positions is not None
+                                            and target.max_positions <= PREFIX_LENGTH + STEPS_PROBE):
+        return ""
+    if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return f"answers: lean forward off (${LEAN_ENV}); transformers' forward answers"
+    reference = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
+    target.lean_wanted = target.lean_float32 = True
+    lean = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
+    gap = max(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+              for got, want in zip(lean[:2], reference[:2], strict=True))
+    same_argmax = torch.equal(lean[0].argmax(-1), reference[0].argmax(-1))
+    if gap <= LEAN_DATA_TOLERANCE and same_argmax and torch.equal(lean[2], lean[0]):
+        return (f"answers: lean forward on (float32): logits and hidden states within {gap:.1e} of transformers' "
+                f"forward (the largest |value| as the unit), argmax equal on {STEPS_PROBE} steps")
+    target.lean_wanted = target.lean_float32 = False
+    return (f"answers: lean forward off (float32: {gap:.1e} from transformers' forward, argmax "
+            f"{'equal' if same_argmax else 'differs'}); transformers' forward answers")
+
+
 def prepare_target(model: PreTrainedModel, flag: str = "--model", use_cache: bool = True, log=None,
                    layout: str = "auto") -> TargetModel:
     """Self-check `model` (cached), print the one-line verdict to `log` (stderr), and return the TargetModel in

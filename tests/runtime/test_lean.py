@@ -99,6 +99,9 @@ def test_lean_refuses_what_it_does_not_serve():
     model = tiny_model("llama", dtype=torch.bfloat16)
     assert "panel kernel" in lean_unavailable(model)  # as loaded: no panels
     assert "bfloat16" in lean_unavailable(tiny_model("llama"))
+    float32 = tiny_model("llama")
+    set_layout(float32, "rows+panels")
+    assert "serves bfloat16 on a CPU" in lean_unavailable(float32) and lean_unavailable(float32, float32=True) == ""
     assert "not among" in lean_unavailable(tiny_model("phi3", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="lean forward: .*panel kernel"):
         LeanForward(model)
@@ -132,3 +135,36 @@ def test_lean_hidden_states_are_transformers_at_every_index(arch):
     for index in indices:
         assert torch.equal(outputs[0].hidden[index], outputs[1].hidden[index]), index
     assert torch.equal(outputs[0].logits, outputs[1].logits)
+
+
+def test_float32_answers_take_the_lean_forward_within_rounding_of_transformers(capsys, monkeypatch):
+    """data.distill's runtime engine in float32: the lean forward is turned on after its check (one line), its logits
+    and features stay within float32 rounding of transformers' forward on a batch of more rows than the panel kernel
+    takes (the BLAS products), and its greedy answers equal transformers' `generate` prompt by prompt; with
+    SPECHEADS_LEAN=off transformers' forward answers."""
+    from data.engines import RuntimeEngine, Sampling
+
+    model = stories260k(torch.float32)
+    set_layout(model, "rows+panels")
+    target = TargetModel(model)
+    engine = RuntimeEngine(target, Sampling(10, (2,)), batch_size=20, feature_layers=(5,))
+    assert "answers: lean forward on (float32)" in capsys.readouterr().err
+    assert engine.describe()["forward"] == "lean" and target.lean_forward() is not None
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[1, *torch.randint(3, 500, (int(n),), generator=gen).tolist()] for n in torch.randint(4, 30, (20,), generator=gen)]
+    answers = engine.generate(prompts)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+        assert answer.tokens == expected[:len(answer.tokens)] and len(answer.tokens) in (len(expected), 10)
+        sequence = torch.tensor([answer.sequence[:-1]])
+        with torch.inference_mode():
+            reference = model(sequence, output_hidden_states=True).hidden_states[5][0]
+        assert torch.allclose(answer.features[5], reference, rtol=0, atol=1e-4 * float(reference.abs().max()))
+
+    target.lean_wanted = target.lean_float32 = False
+    monkeypatch.setenv("SPECHEADS_LEAN", "off")
+    engine = RuntimeEngine(target, Sampling(10, (2,)), batch_size=20, feature_layers=(5,))
+    assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and engine.describe()["forward"] == "transformers"
+    assert [a.tokens for a in engine.generate(prompts)] == [a.tokens for a in answers]
