@@ -169,6 +169,7 @@ class RuntimeEngine:
                  feature_layers: tuple[int, ...] = ()):
         self.target, self.sampling, self.max_batch = target, sampling, batch_size
         self.feature_layers = tuple(feature_layers)
+        target.group_prefill = True  # prompts of similar lengths prefilled together (rounding differs, not answers)
         line = lean_for_answers(target)  # float32: the lean forward, checked against transformers' first
         if line:
             print(line, file=sys.stderr)

@@ -143,25 +143,43 @@ class _Layer:
         self.keys: torch.Tensor | None = None  # cache buffers [B, Hkv, capacity, D]; the cache layer holds views
         self.values: torch.Tensor | None = None
 
+    def _holds(self, cache_layer) -> bool:
+        """Whether the cache layer's tensors are views of this layer's buffers (its first rows, all their heads)."""
+        held, values = cache_layer.keys, cache_layer.values
+        return (self.keys is not None and held.data_ptr() == self.keys.data_ptr()
+                and held.stride() == self.keys.stride() and held.shape[0] <= self.keys.shape[0]
+                and held.shape[1] == self.keys.shape[1] and values.data_ptr() == self.values.data_ptr()
+                and values.stride() == self.values.stride())
+
     def _append(self, cache_layer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write key/value [B, Hkv, n, D] after the cache layer's slots, in place where its tensors are views of this
         layer's buffers with room left; otherwise (after a prefill or a batch's stacking) copy them into new buffers
         with room to grow. The cache layer then holds views [B, Hkv, L + n, D]."""
         held, length, n = cache_layer.keys, cache_layer.keys.shape[-2], key.shape[-2]
-        fits = (self.keys is not None and held.data_ptr() == self.keys.data_ptr()
-                and held.stride() == self.keys.stride() and held.shape[:2] == self.keys.shape[:2]
-                and cache_layer.values.data_ptr() == self.values.data_ptr() and length + n <= self.keys.shape[-2])
-        if not fits:
+        rows = held.shape[0]
+        if not (self._holds(cache_layer) and length + n <= self.keys.shape[-2]):
             capacity = max(2 * (length + n), length + n + 256)
             self.keys = held.new_empty(*held.shape[:2], capacity, held.shape[-1])
             self.values = held.new_empty(*cache_layer.values.shape[:2], capacity, cache_layer.values.shape[-1])
             self.keys[:, :, :length] = held
             self.values[:, :, :length] = cache_layer.values
-        self.keys[:, :, length:length + n] = key
-        self.values[:, :, length:length + n] = value
-        cache_layer.keys = self.keys[:, :, :length + n]
-        cache_layer.values = self.values[:, :, :length + n]
+        self.keys[:rows, :, length:length + n] = key
+        self.values[:rows, :, length:length + n] = value
+        cache_layer.keys = self.keys[:rows, :, :length + n]
+        cache_layer.values = self.values[:rows, :, :length + n]
         return cache_layer.keys, cache_layer.values
+
+    def select_rows(self, cache_layer, rows: list[int]) -> None:
+        """Keep rows `rows` (increasing) of the cache layer, moved up in place inside this layer's buffers (the caller
+        checked `_holds`): one copy of the kept rows, where selecting by index would copy them out of the buffers
+        and the next step copy them into new ones."""
+        length = cache_layer.keys.shape[-2]
+        for new, old in enumerate(rows):
+            if new != old:  # rows increase, so row `old` >= `new` is still intact when it is copied
+                self.keys[new, :, :length] = self.keys[old, :, :length]
+                self.values[new, :, :length] = self.values[old, :, :length]
+        cache_layer.keys = self.keys[:len(rows), :, :length]
+        cache_layer.values = self.values[:len(rows), :, :length]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
                  allowed: torch.Tensor) -> torch.Tensor:
@@ -230,6 +248,17 @@ class LeanForward:
         them; the caller then builds a new one)."""
         first, view, head, panels = self._probe
         return first.__dict__.get(_PANELS) is view and head.__dict__.get(_PANELS) is panels
+
+    @torch.inference_mode()
+    def select_rows(self, cache, rows: list[int]) -> bool:
+        """Keep rows `rows` (increasing indices) of `cache` in place inside this forward's buffers, True; False (nothing
+        done) where some layer of the cache is not held in them (the caller then selects the usual way)."""
+        pairs = list(zip(self.layers, cache.layers, strict=False))
+        if len(pairs) != len(cache.layers) or not all(layer._holds(cache_layer) for layer, cache_layer in pairs):
+            return False
+        for layer, cache_layer in pairs:
+            layer.select_rows(cache_layer, rows)
+        return True
 
     @torch.inference_mode()
     def __call__(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,

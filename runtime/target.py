@@ -58,6 +58,9 @@ _LAYER_TYPES_WITH_WINDOW = {"full_attention": False, "sliding_attention": True}
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+# a grouped prefill (TargetModel.group_prefill): at most this many prompts, of at most this many padded tokens in all,
+# per forward (its logits are kept at every prompt's last position for every row: prompts^2 rows of the LM head)
+PREFILL_GROUP_PROMPTS, PREFILL_GROUP_TOKENS = 8, 1024
 
 
 @contextmanager
@@ -282,6 +285,9 @@ class TargetModel:
         # transformers' logits bit for bit on this model; rebuilt after a weight layout change)
         self.lean_wanted = False
         self.lean_float32 = False  # float32 too (data.engines.RuntimeEngine: answers, not exact decoding)
+        # prefill_rows forwards prompts of similar lengths together, right-padded (products of more rows run faster,
+        # but a row's bits then depend on its group: for answers, not for exact decoding; see _prefill_group)
+        self.group_prefill = False
         self._lean: LeanForward | None = None
         self._capture = HiddenCapture(model, self.num_layers)
         self.cache: DynamicCache | None = None
@@ -513,7 +519,7 @@ class TargetModel:
     def prefill_rows(self, prompts: list[torch.Tensor], hidden_state_indices: tuple[int, ...] = ()) -> list[ForwardOutput]:
         """Start a batch: prefill each prompt (its own forward, so no row pays for another's padding), then
         stack the caches into one [B, H, longest prompt, D] (holes after shorter prompts). One prompt is
-        `prefill` itself. Returns per row what `prefill` returns."""
+        `prefill` itself. Returns per row what `prefill` returns. With `group_prefill`: `_prefill_groups`."""
         if not prompts:
             raise ValueError("prompts: an empty batch; at least one prompt is needed")
         if len(prompts) > 1 and self.mode != "tree":
@@ -526,6 +532,8 @@ class TargetModel:
                 self.check_prompt(prompt)
             except ValueError as error:
                 raise ValueError(f"prompt {index} of the batch: {error}") from error
+        if self.group_prefill and self.windows is None:
+            return self._prefill_groups(prompts, hidden_state_indices)
         outputs, caches, lengths = [], [], []
         for prompt in prompts:
             outputs.append(self.prefill(prompt, hidden_state_indices))
@@ -538,6 +546,51 @@ class TargetModel:
             layer.values = torch.cat([_pad_slots(r.values, slots) for r in rows])
         self.row_lengths, self.slots, self.num_pending = lengths, max(lengths), 0
         return outputs
+
+    def _prefill_groups(self, prompts: list[torch.Tensor], hidden_state_indices: tuple[int, ...]
+                        ) -> list[ForwardOutput]:
+        """prefill_rows in groups of prompts of similar lengths (sorted; at most PREFILL_GROUP_PROMPTS prompts and
+        PREFILL_GROUP_TOKENS padded tokens per group), each group ONE forward of its prompts right-padded to its
+        longest: causal attention keeps a prompt's tokens from seeing the padding after it, so each row is its prompt
+        alone up to float rounding, and the padding's slots become the batch's holes. SmolLM2-135M's ShareGPT
+        prompts (64 tokens on average) prefill ~2x faster than one forward per prompt."""
+        prompts = [self.check_prompt(prompt) for prompt in prompts]
+        order = sorted(range(len(prompts)), key=lambda b: prompts[b].numel())
+        groups: list[list[int]] = [[]]
+        for b in order:  # ascending lengths: the newest prompt is its group's longest
+            if groups[-1] and (len(groups[-1]) == PREFILL_GROUP_PROMPTS
+                               or (len(groups[-1]) + 1) * prompts[b].numel() > PREFILL_GROUP_TOKENS):
+                groups.append([])
+            groups[-1].append(b)
+        outputs: dict[int, ForwardOutput] = {}
+        caches = []
+        for group in groups:
+            rows = [prompts[b] for b in group]
+            counts = [row.numel() for row in rows]
+            self.cache = DynamicCache()
+            self.row_lengths, self.slots, self.num_pending = [0] * len(rows), 0, 0
+            trees = [Tree.chain(n - 1) for n in counts]
+            longest = max(counts)
+            input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+            for b, row in enumerate(rows):
+                input_ids[b, :row.numel()] = row
+            mask = rows_attention_mask(trees, self.row_lengths, 0, self.dtype, None, self.device)
+            out = self._call(input_ids, mask, torch.arange(longest).repeat(len(rows), 1), hidden_state_indices,
+                             logits_to_keep=torch.tensor(counts) - 1)  # [G, G, V]: row b's own at [b, b]
+            for b, (index, n) in enumerate(zip(group, counts, strict=True)):
+                outputs[index] = ForwardOutput(logits=out.logits[b, b:b + 1],
+                                               hidden={i: out.hidden_states[i][b, :n] for i in hidden_state_indices})
+            caches.append(self.cache)
+        # the rows back in the prompts' order, padded to the longest prompt, as the per-prompt prefills' are stacked
+        where = {b: (g, r) for g, group in enumerate(groups) for r, b in enumerate(group)}
+        lengths = [prompt.numel() for prompt in prompts]
+        slots = max(lengths)
+        for index, layer in enumerate(caches[-1].layers):
+            for name in ("keys", "values"):
+                parts = [getattr(caches[g].layers[index], name)[r:r + 1] for g, r in map(where.get, range(len(prompts)))]
+                setattr(layer, name, torch.cat([_pad_slots(part, slots) for part in parts]))
+        self.cache, self.row_lengths, self.slots, self.num_pending = caches[-1], lengths, slots, 0
+        return [outputs[b] for b in range(len(prompts))]
 
     def kv_bytes(self, rows: int, slots: int) -> int:
         """Estimated KV-cache bytes of `rows` rows x `slots` slots (keys and values of every layer)."""
@@ -565,7 +618,9 @@ class TargetModel:
             raise ValueError(f"select_rows: expected increasing row indices in [0, {self.batch_size}), got {rows}")
         if rows == list(range(self.batch_size)):
             return
-        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+        lean = self._lean if self.lean_wanted and self._lean is not None and self._lean.current() else None
+        if lean is None or not lean.select_rows(self.cache, rows):  # the lean forward's buffers: moved in place
+            self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
         self.row_lengths = [self.row_lengths[r] for r in rows]
         surplus = self.slots - max(self.row_lengths)
         if surplus > 0:

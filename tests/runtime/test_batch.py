@@ -13,6 +13,7 @@ from runtime.loop import GenerationStats, generate_batch
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer, per_row
 from runtime.sampling import SamplingConfig, logits_to_probs
 from runtime.target import TargetModel
+from runtime.tree import Tree
 from tests.runtime.test_generate import perturbed_copy
 from tests.runtime.test_head_proposers import (
     PROPOSERS,
@@ -195,3 +196,27 @@ def test_bad_batches_name_the_row():
         list(generate_batch(TargetModel(model), [proposer, proposer], [batch[0], batch[0]], config))
     with pytest.raises(ValueError, match="chain mode.*one at a time"):
         list(generate_batch(TargetModel(model, mode="chain"), per_row(Autoregressive(), 2), [batch[0]] * 2, config))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_grouped_prefill_is_each_prompt_alone_up_to_rounding(arch):
+    """TargetModel.group_prefill (the data engine's): 11 prompts of mixed lengths in length-sorted, right-padded
+    groups (more than one group) give each prompt's last logits and hidden states as its own prefill does, up to
+    float32 rounding, the same row lengths and slots, and the next step of every row sees its own prompt only."""
+    model = tiny_model(arch)
+    lengths = [17, 3, 40, 9, 9, 25, 1, 33, 12, 5, 28]
+    batch = [torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    results = []
+    for grouped in (False, True):
+        target = TargetModel(model)
+        target.group_prefill = grouped
+        outs = target.prefill_rows(batch, (-1,))
+        state = (list(target.row_lengths), target.slots)
+        step = target.forward_rows([torch.tensor([7 + b]) for b in range(len(batch))], [Tree.chain(0)] * len(batch))
+        results.append((outs, state, step))
+    (alone, state, step), (grouped, grouped_state, grouped_step) = results
+    assert grouped_state == state == (lengths, max(lengths))
+    for a, g, s, gs in zip(alone, grouped, step, grouped_step, strict=True):
+        assert torch.allclose(a.logits, g.logits, atol=1e-5) and a.logits.shape == g.logits.shape
+        assert torch.allclose(a.hidden[-1], g.hidden[-1], atol=1e-5) and a.hidden[-1].shape == g.hidden[-1].shape
+        assert torch.allclose(s.logits, gs.logits, atol=1e-5)

@@ -85,6 +85,25 @@ def test_lean_cache_survives_compaction_batches_and_layout_changes():
         assert torch.equal(target.forward(tokens[:n], Tree.chain(n - 1)).logits, out.logits)
         target.commit([])
 
+    # finished rows leave the batch: rows moved up in place inside the lean buffers (no copy out and back in)
+    rows = [torch.randint(3, 500, (n,), generator=gen) for n in (6, 9, 4, 12)]
+    target.prefill_rows(rows)
+    target.forward_rows([tokens[:1]] * 4, [Tree.chain(0)] * 4)
+    target.commit_rows([[0]] * 4)
+    target.forward_rows([tokens[1:2]] * 4, [Tree.chain(0)] * 4)  # now the cache layers are views of the buffers
+    target.commit_rows([[0]] * 4)
+    buffer = target._lean.layers[0].keys
+    target.select_rows([1, 3])
+    assert target.cache.layers[0].keys.data_ptr() == buffer.data_ptr()
+    outs = target.forward_rows([tokens[2:5], tokens[2:4]], [Tree.chain(2), Tree.chain(1)])
+    for row, out, n in zip((rows[1], rows[3]), outs, (3, 2), strict=True):
+        target.prefill(row)
+        for token in tokens[:2]:
+            target.forward(token[None], Tree.chain(0))
+            target.commit([0])
+        assert torch.equal(target.forward(tokens[2:2 + n], Tree.chain(n - 1)).logits, out.logits)
+        target.commit([])
+
     target.prefill(prompt)
     lean = target.forward(tokens[:4], Tree.chain(3)).logits
     set_layout(model, "rows")
