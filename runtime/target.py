@@ -286,7 +286,7 @@ class TargetModel:
         self.lean_wanted = False
         self.lean_float32 = False  # float32 too (data.engines.RuntimeEngine: answers, not exact decoding)
         # prefill_rows forwards prompts of similar lengths together, right-padded (products of more rows run faster,
-        # but a row's bits then depend on its group: for answers, not for exact decoding; see _prefill_group)
+        # but a row's bits then depend on its group: for answers, not for exact decoding; see _prefill_groups)
         self.group_prefill = False
         self._lean: LeanForward | None = None
         self._capture = HiddenCapture(model, self.num_layers)
@@ -552,8 +552,9 @@ class TargetModel:
         """prefill_rows in groups of prompts of similar lengths (sorted; at most PREFILL_GROUP_PROMPTS prompts and
         PREFILL_GROUP_TOKENS padded tokens per group), each group ONE forward of its prompts right-padded to its
         longest: causal attention keeps a prompt's tokens from seeing the padding after it, so each row is its prompt
-        alone up to float rounding, and the padding's slots become the batch's holes. SmolLM2-135M's ShareGPT
-        prompts (64 tokens on average) prefill ~2x faster than one forward per prompt."""
+        alone up to float rounding, and the padding's slots become the batch's holes. 64 of SmolLM2-135M's ShareGPT
+        prompts (64 tokens on average) prefilled in 17.2 s instead of 21.5 s in float32 on an AVX2 CPU (the products
+        were already at the BLAS's speed; the groups save each forward's fixed costs)."""
         prompts = [self.check_prompt(prompt) for prompt in prompts]
         order = sorted(range(len(prompts)), key=lambda b: prompts[b].numel())
         groups: list[list[int]] = [[]]

@@ -187,3 +187,17 @@ def test_float32_answers_take_the_lean_forward_within_rounding_of_transformers(c
     engine = RuntimeEngine(target, Sampling(10, (2,)), batch_size=20, feature_layers=(5,))
     assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and engine.describe()["forward"] == "transformers"
     assert [a.tokens for a in engine.generate(prompts)] == [a.tokens for a in answers]
+
+
+def test_float32_answers_keep_transformers_forward_where_the_check_fails(capsys, monkeypatch):
+    """A lean forward further from transformers' than the tolerance (here: a tolerance of 0) stays off, in one line."""
+    import runtime.verify_check as verify_check
+    from data.engines import RuntimeEngine, Sampling
+
+    monkeypatch.setattr(verify_check, "LEAN_DATA_TOLERANCE", 0.0)
+    model = stories260k(torch.float32)
+    set_layout(model, "rows+panels")
+    target = TargetModel(model)
+    engine = RuntimeEngine(target, Sampling(4, (2,)), batch_size=2)
+    assert "answers: lean forward off (float32: " in capsys.readouterr().err
+    assert engine.describe()["forward"] == "transformers" and target.lean_forward() is None
