@@ -619,7 +619,7 @@ class TargetModel:
             raise ValueError(f"select_rows: expected increasing row indices in [0, {self.batch_size}), got {rows}")
         if rows == list(range(self.batch_size)):
             return
-        lean = self._lean if self.lean_wanted and self._lean is not None and self._lean.current() else None
+        lean = self.lean_forward()
         if lean is None or not lean.select_rows(self.cache, rows):  # the lean forward's buffers: moved in place
             self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
         self.row_lengths = [self.row_lengths[r] for r in rows]
