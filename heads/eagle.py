@@ -42,12 +42,14 @@ class EagleDraft(HeadsModule, kind="eagle"):
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor, *, embed_tokens: nn.Module,
                 position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None, last: int | None = None) -> DraftOutput:
+                past_key_value: LayerKV | None = None, last: int | None = None,
+                selected: Tensor | None = None) -> DraftOutput:
         """hidden_states [B, S, H] features f_t; input_ids [B, S] tokens t+1 -> features f_{t+1} [B, S, H] (the
-        last `last` rows only, when given: DecoderLayer.forward)."""
+        last `last` rows only, or [N, H] at the `selected` [B, S] bool positions, when given:
+        DecoderLayer.forward)."""
         embeds = embed_tokens(input_ids).to(hidden_states.dtype)
         x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
-        out, kv = self.layers[0](x, position_ids, attention_mask, past_key_value, last=last)
+        out, kv = self.layers[0](x, position_ids, attention_mask, past_key_value, last=last, selected=selected)
         return DraftOutput(out, kv)
 
     def compute_logits(self, hidden_states: Tensor, lm_head: nn.Module) -> Tensor:

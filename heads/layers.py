@@ -185,6 +185,35 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, rows, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
 
+    def forward_selected(self, x: Tensor, cos: Tensor, sin: Tensor, selected: Tensor) -> tuple[Tensor, LayerKV]:
+        """Causal self-attention over x [B, T, input_size] (no cache, no padding mask: right padding only follows
+        every position that counts) with outputs at the `selected` [B, T] bool positions only -> ([N, H] in row-major
+        order of the selected positions, LayerKV of all T slots). What training needs where the loss reads a
+        subset of the positions (the answers, not the prompts or the padding): every position adds its keys and
+        values, only the selected ones pay for queries, attention rows and o_proj (and, in DecoderLayer, the MLP)."""
+        kv = self.key_value(x, cos, sin)
+        q = self.q_proj(x[selected]).view(-1, self.num_heads, self.head_dim)  # [N, heads, D]
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(0, 1)[None], cos[selected][None], sin[selected][None])[0]  # [heads, N, D]
+        counts = selected.sum(1).tolist()
+        outs, start = [], 0
+        for row, count in enumerate(counts):  # each row attends over its own keys up to its last selected position
+            if not count:
+                continue
+            where = selected[row].nonzero().squeeze(1)  # [count] ascending
+            span = int(where[-1]) + 1
+            allowed = torch.arange(span, device=x.device)[None, :] <= where[:, None]  # [count, span]
+            out = F.scaled_dot_product_attention(q[None, :, start:start + count], kv.key[row:row + 1, :, :span],
+                                                 kv.value[row:row + 1, :, :span], attn_mask=allowed[None, None],
+                                                 scale=self.head_dim ** -0.5,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            outs.append(out[0].transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
+            start += count
+        if not outs:
+            return self.o_proj(q.new_zeros(0, self.num_heads * self.head_dim)), kv
+        return self.o_proj(torch.cat(outs)), kv
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). [..., H] -> [..., H]."""
@@ -232,12 +261,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 past_key_value: LayerKV | None = None, inputs_embeds: Tensor | None = None,
-                last: int | None = None) -> tuple[Tensor, LayerKV]:
+                last: int | None = None, selected: Tensor | None = None) -> tuple[Tensor, LayerKV]:
         """hidden_states [B, S, H], position_ids [B, S] -> (output [B, S, H], LayerKV [B, KVH, past+S, D]).
 
         `inputs_embeds` [B, S, H] is required in mode "eagle3" and refused otherwise. `last`: compute the output
         of the last `last` rows only ([B, last, H]); the others only add their keys and values to the cache, so
-        feeding n committed entries costs their K/V projections, not n attention + MLP rows.
+        feeding n committed entries costs their K/V projections, not n attention + MLP rows. `selected` [B, S]
+        bool (causal, no cache or mask): the output at those positions only, [N, H] in row-major order
+        (Attention.forward_selected; training, where the loss reads the answers' positions).
         """
         if position_ids.shape != hidden_states.shape[:2]:
             raise ValueError(f"position_ids: expected shape {list(hidden_states.shape[:2])}, "
@@ -256,6 +287,16 @@ class DecoderLayer(nn.Module):
         else:
             x = hidden_states
         cos, sin = self.rotary(position_ids, x.dtype)
+        if selected is not None:
+            if attention_mask is not None or past_key_value is not None or last is not None:
+                raise ValueError("DecoderLayer: `selected` runs plain causal attention without a cache, a mask or "
+                                 "`last`")
+            if selected.shape != hidden_states.shape[:2] or selected.dtype != torch.bool:
+                raise ValueError(f"selected: expected a bool tensor of shape {list(hidden_states.shape[:2])}, "
+                                 f"got {selected.dtype} {list(selected.shape)}")
+            attn, new_kv = self.self_attn.forward_selected(x, cos, sin, selected)
+            hidden_states = residual[selected] + attn
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), new_kv
         attn, new_kv = self.self_attn(x, cos, sin, attention_mask, past_key_value, last)
         hidden_states = residual[:, residual.shape[1] - attn.shape[1]:] + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

@@ -140,6 +140,17 @@ def unroll_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, step
     return outputs
 
 
+def selected_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, selected: Tensor,
+                   embed_tokens: nn.Module) -> Tensor:
+    """unroll_draft's first step at the `selected` [B, T] bool positions only -> [N, H] (row-major): the same
+    outputs as `unroll_draft(...)[0][selected]`, with queries, attention rows and the MLP paid only where the loss
+    reads them (DecoderLayer.forward's `selected`); every position still adds its keys and values."""
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    return draft(first_hidden, shift_left(input_ids, 1), embed_tokens=embed_tokens, position_ids=positions,
+                 selected=selected).hidden_states
+
+
 class _FrozenTarget:
     """Holds the frozen target outside nn.Module registration (so it is neither trained nor checkpointed)."""
 
@@ -281,8 +292,13 @@ class EagleTraining(nn.Module):
             noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
             features = features + (noise - 0.5) * config.feature_noise
         steps = 1 if train else config.eval_depth
-        outputs = unroll_draft(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
+        if steps == 1:  # the draft's outputs where the loss reads them only: prompt and padding rows add keys/values
+            outputs = [selected_draft(self.draft, features, batch["input_ids"], targets.positions,
+                                      frozen.embed_tokens)]
+        else:
+            outputs = [out[targets.positions] for out in unroll_draft(self.draft, features, batch["input_ids"], steps,
+                                                                       frozen.embed_tokens)]
         wanted = ShiftedRows(target_hidden, targets.positions, steps, lambda x: x)  # f_{t+1+s}
         vocab, over_draft = self._draft_vocab, self._soft_rows
         with torch.no_grad():
@@ -290,8 +306,7 @@ class EagleTraining(nn.Module):
         targets = target_greedy_labels(targets, config, lambda d: wanted_logits.rows(d).argmax(-1))
         total = features.new_zeros((), dtype=torch.float32)
         stats, feature_sum, token_sum = [], 0.0, 0.0
-        for step, predicted in enumerate(outputs):
-            predicted = predicted[targets.positions]  # [N, H]
+        for step, predicted in enumerate(outputs):  # [N, H] at the selected positions
             if vocab is None:
                 feature, token, hits = eagle_step_loss(predicted, apply_head(frozen.lm_head, predicted),
                                                        wanted.rows(step), wanted_logits.rows(step),

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from heads.checkpoint import build_heads
 from heads.config import HeadsConfig
+from heads.layers import DecoderLayer
 from tests.tiny_models import tiny_config
 from training.evaluation import depth_metrics, expected_acceptance_length
 from training.loop import cosine_with_warmup, shard_rows, steps_within_budget, total_steps
 from training.losses import depth_cross_entropy, depth_targets, eagle3_step_loss, label_count, shift_left
-from training.methods import ShiftedRows, unroll_draft, unroll_mask
+from training.methods import ShiftedRows, selected_draft, unroll_draft, unroll_mask
 
 
 def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
@@ -165,6 +166,38 @@ def test_unrolled_training_equals_sequential_drafting(kind):
                             position_ids=torch.tensor([[start + step]]), past_key_value=cache)
                 assert torch.allclose(out.hidden_states[0, 0], unrolled[step][0, start], atol=1e-10), (start, step)
                 hidden, cache = out.hidden_states, out.past_key_value
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_selected_draft_equals_the_unroll_at_the_selected_positions(qk_norm):
+    """Training's first step at the loss's positions only (queries, attention rows and the MLP there; keys and
+    values everywhere) gives the full step's outputs at those positions and the same gradients, with rows of several
+    lengths (right padding), a row with nothing selected, grouped-query heads and qk_norm."""
+    torch.manual_seed(0)
+    target = tiny_config("llama")
+    config = HeadsConfig.for_target("eagle", target, base_model_name_or_path="tiny")
+    draft = build_heads(config).double()
+    if qk_norm:  # a DecoderLayer with Qwen3's per-head norms (the draft layers of DFlash) in the same places
+        draft.layers[0] = DecoderLayer(config, mode="eagle", qk_norm=True).double()
+    embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).double()
+    ids = torch.randint(0, target.vocab_size, (3, 11))
+    features = torch.randn(3, 11, target.hidden_size, dtype=torch.float64)
+    selected = torch.zeros(3, 11, dtype=torch.bool)
+    selected[0, 4:9] = True  # an answer after a prompt, then padding
+    selected[2, [0, 2, 3, 10]] = True  # scattered positions, up to the last one; row 1 has none
+    full = unroll_draft(draft, features, ids, 1, embed_tokens=embed)[0][selected]
+    (full * torch.arange(full.numel(), dtype=full.dtype).view_as(full)).sum().backward()
+    grads = {name: param.grad.clone() for name, param in draft.named_parameters()}
+    draft.zero_grad()
+    part = selected_draft(draft, features, ids, selected, embed_tokens=embed)
+    (part * torch.arange(part.numel(), dtype=part.dtype).view_as(part)).sum().backward()
+    assert part.shape == (int(selected.sum()), target.hidden_size)
+    assert torch.allclose(part, full, atol=1e-12)
+    for name, param in draft.named_parameters():
+        assert torch.allclose(param.grad, grads[name], atol=1e-10), name
+    with pytest.raises(ValueError, match="selected"):
+        draft(features, ids, embed_tokens=embed, position_ids=torch.arange(11).expand(3, -1),
+              selected=selected[:, :5])
 
 
 def test_shifted_rows_equal_shifting_then_selecting():
