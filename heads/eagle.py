@@ -84,11 +84,12 @@ class Eagle3Draft(OwnLMHeadDraft, kind="eagle3"):
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor, *, embed_tokens: nn.Module,
                 position_ids: Tensor, attention_mask: Tensor | None = None,
-                past_key_value: LayerKV | None = None, last: int | None = None) -> DraftOutput:
+                past_key_value: LayerKV | None = None, last: int | None = None,
+                selected: Tensor | None = None) -> DraftOutput:
         """hidden_states [B, S, H] (projected target features, or the draft's previous pre-norm output);
         input_ids [B, S] tokens t+1 -> pre-norm output [B, S, H] (feed it back, or `compute_logits`; the last
-        `last` rows only, when given)."""
+        `last` rows only, or [N, H] at the `selected` [B, S] bool positions, when given)."""
         embeds = embed_tokens(input_ids).to(hidden_states.dtype)
         out, kv = self.midlayer(hidden_states, position_ids, attention_mask, past_key_value,
-                                inputs_embeds=embeds, last=last)
+                                inputs_embeds=embeds, last=last, selected=selected)
         return DraftOutput(out, kv)

@@ -28,6 +28,7 @@ from heads.draft_vocab import (
     target_to_draft_ids,
 )
 from heads.eagle import Eagle3Draft, EagleDraft
+from heads.layers import LayerKV
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
 from heads.parallel import DFlashDraft, PEagleDraft
@@ -107,48 +108,44 @@ class ShiftedRows:
         return self.values[shift_left(self.index, 1 + step)[self.positions].clamp(min=0)]
 
 
-def unroll_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Training-time-test mask [1, 1, T, (step + 1) T] for unroll step `step`.
-
-    Keys are the step-0 slots (causal over the sequence) followed by one block of T slots per later step;
-    query t sees step-0 slots <= t and, in each later block, only slot t (its own chain). This is what a chain
-    drafted from position t sees at run time: the prefix features, then its own drafted tokens.
-    """
-    eye = torch.eye(length, dtype=torch.bool, device=device)
-    allowed = torch.cat([torch.ones(length, length, dtype=torch.bool, device=device).tril()] + [eye] * step, 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def unroll_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, steps: int,
-                 embed_tokens: nn.Module) -> list[Tensor]:
-    """Run an EAGLE-style draft `steps` times on its own outputs; returns the output [B, T, H] of each step.
+def unroll_selected(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, steps: int, embed_tokens: nn.Module,
+                    selected: Tensor) -> list[Tensor]:
+    """Run an EAGLE-style draft `steps` times on its own outputs from every `selected` [B, T] bool position (the
+    positions the loss reads); returns the outputs there, [N, H] per step (row-major, N = selected.sum()).
 
     Step s at position t reads token t+1+s (0 past the end; those positions never count) and (s = 0)
-    `first_hidden` at t or (s > 0) the step s-1 output at t, at RoPE position t+s, attending as
-    `unroll_mask` says.
+    `first_hidden` at t or (s > 0) the step s-1 output at t, at RoPE position t+s. Step 0 runs over the whole
+    sequence, causal, but pays for queries, attention rows and the MLP only at the selected positions (every position
+    adds its keys and values: DecoderLayer.forward's `selected`). Step s > 0 (training-time test) runs the selected
+    positions' chains only, row by row: the chain from t sees the step-0 slots <= t and its own s drafted slots, which
+    is what a chain drafted from t sees at run time (the prefix features, then its own drafted tokens).
     """
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
-    hidden, cache, outputs = first_hidden, None, []
-    for step in range(steps):
-        mask = None if step == 0 else unroll_mask(length, step, hidden.dtype, hidden.device).expand(batch, -1, -1, -1)
-        out = draft(hidden, shift_left(input_ids, 1 + step), embed_tokens=embed_tokens,
-                    position_ids=positions + step, attention_mask=mask, past_key_value=cache)
-        cache, hidden = out.past_key_value, out.hidden_states
-        outputs.append(hidden)
-    return outputs
-
-
-def selected_draft(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, selected: Tensor,
-                   embed_tokens: nn.Module) -> Tensor:
-    """unroll_draft's first step at the `selected` [B, T] bool positions only -> [N, H] (row-major): the same
-    outputs as `unroll_draft(...)[0][selected]`, with queries, attention rows and the MLP paid only where the loss
-    reads them (DecoderLayer.forward's `selected`); every position still adds its keys and values."""
-    batch, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
-    return draft(first_hidden, shift_left(input_ids, 1), embed_tokens=embed_tokens, position_ids=positions,
-                 selected=selected).hidden_states
+    first = draft(first_hidden, shift_left(input_ids, 1), embed_tokens=embed_tokens, position_ids=positions,
+                  selected=selected)
+    chains: list[list[Tensor]] = [[] for _ in range(steps - 1)]
+    start = 0
+    for row, count in enumerate(selected.sum(1).tolist() if steps > 1 else []):
+        if not count:
+            continue
+        where = selected[row].nonzero().squeeze(1)  # [n] ascending
+        span = int(where[-1]) + 1
+        kv = first.past_key_value
+        cache = LayerKV(kv.key[row:row + 1, :, :span], kv.value[row:row + 1, :, :span])
+        hidden = first.hidden_states[None, start:start + count]  # [1, n, H]
+        prefix = torch.arange(span, device=where.device)[None, :] <= where[:, None]  # [n, span]
+        own = torch.eye(count, dtype=torch.bool, device=where.device)
+        for step in range(1, steps):
+            allowed = torch.cat([prefix] + [own] * step, dim=1)  # step-0 slots, then one block of n per chain step
+            mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(hidden.dtype).min)[None, None]
+            out = draft(hidden, shift_left(input_ids, 1 + step)[row:row + 1, where], embed_tokens=embed_tokens,
+                        position_ids=(where + step)[None], attention_mask=mask, past_key_value=cache)
+            cache, hidden = out.past_key_value, out.hidden_states
+            chains[step - 1].append(hidden[0])
+        start += count
+    return [first.hidden_states] + [torch.cat(rows) if rows else first.hidden_states[:0] for rows in chains]
 
 
 class _FrozenTarget:
@@ -293,12 +290,8 @@ class EagleTraining(nn.Module):
             features = features + (noise - 0.5) * config.feature_noise
         steps = 1 if train else config.eval_depth
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
-        if steps == 1:  # the draft's outputs where the loss reads them only: prompt and padding rows add keys/values
-            outputs = [selected_draft(self.draft, features, batch["input_ids"], targets.positions,
-                                      frozen.embed_tokens)]
-        else:
-            outputs = [out[targets.positions] for out in unroll_draft(self.draft, features, batch["input_ids"], steps,
-                                                                       frozen.embed_tokens)]
+        outputs = unroll_selected(self.draft, features, batch["input_ids"], steps, frozen.embed_tokens,
+                                  targets.positions)
         wanted = ShiftedRows(target_hidden, targets.positions, steps, lambda x: x)  # f_{t+1+s}
         vocab, over_draft = self._draft_vocab, self._soft_rows
         with torch.no_grad():
@@ -360,8 +353,8 @@ class Eagle3Training(_FusedFeaturesTraining):
         config, frozen = self.config, self._target.modules
         first, last = self.features(batch)
         steps = config.ttt_steps if train else config.eval_depth
-        outputs = unroll_draft(self.draft, first, batch["input_ids"], steps, frozen.embed_tokens)
         targets = depth_targets(batch["input_ids"], batch["loss_mask"], steps)
+        outputs = unroll_selected(self.draft, first, batch["input_ids"], steps, frozen.embed_tokens, targets.positions)
         draft_ids = torch.arange(self.draft.config.draft_vocab_size, device=first.device)
         draft_to_target = draft_to_target_ids(draft_ids, self.draft.d2t)
         over_draft = self._soft_rows
@@ -372,7 +365,7 @@ class Eagle3Training(_FusedFeaturesTraining):
         stats = []
         for step, (predicted, weight) in enumerate(zip(outputs, depth_weights(steps, config.head_decay),
                                                        strict=True)):
-            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted[targets.positions]),
+            loss, hits = eagle3_step_loss(self.draft.compute_logits(predicted),
                                           target_logits.rows(step),
                                           targets.labels[step], targets.masks[step], draft_to_target,
                                           self.draft.t2d, config.eval_top_k, over_draft=over_draft is not None)

@@ -15,7 +15,7 @@ from tests.tiny_models import tiny_config
 from training.evaluation import depth_metrics, expected_acceptance_length
 from training.loop import cosine_with_warmup, shard_rows, steps_within_budget, total_steps
 from training.losses import depth_cross_entropy, depth_targets, eagle3_step_loss, label_count, shift_left
-from training.methods import ShiftedRows, selected_draft, unroll_draft, unroll_mask
+from training.methods import ShiftedRows, unroll_selected
 
 
 def test_depth_cross_entropy_matches_shifted_cross_entropy_per_depth():
@@ -135,69 +135,73 @@ def test_eval_shards_are_equal_and_cover_every_row_once():
     assert sorted(r for s in shards for r in s if r is not None) == rows
 
 
-def test_unroll_mask_blocks():
-    mask = unroll_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
-    assert mask.shape == (3, 9)
-    assert mask[:, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
-    assert mask[:, 3:6].equal(torch.eye(3, dtype=torch.bool)) and mask[:, 6:].equal(torch.eye(3, dtype=torch.bool))
+def _sequential_drafts(draft, features, ids, embed, row, start, steps):
+    """What a chain drafted from position `start` of `row` is at run time: prefix features 0..start in the draft's
+    cache, then its own outputs fed back one position at a time -> [steps, H]."""
+    prefix = draft(features[row:row + 1, : start + 1], shift_left(ids, 1)[row:row + 1, : start + 1],
+                   embed_tokens=embed, position_ids=torch.arange(start + 1)[None])
+    outs, hidden, cache = [prefix.hidden_states[0, start]], prefix.hidden_states[:, -1:], prefix.past_key_value
+    for step in range(1, steps):
+        out = draft(hidden, ids[row:row + 1, start + 1 + step: start + 2 + step], embed_tokens=embed,
+                    position_ids=torch.tensor([[start + step]]), past_key_value=cache)
+        outs.append(out.hidden_states[0, 0])
+        hidden, cache = out.hidden_states, out.past_key_value
+    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_unrolled_training_equals_sequential_drafting(kind):
-    """Step s of the parallel unroll at position t == the (s+1)-th token a chain drafted from t sees at run time:
-    prefix features 0..t in the draft's cache, then its own outputs fed back one position at a time."""
+    """Step s of the training unroll at a selected position t == the (s+1)-th token a chain drafted from t sees at
+    run time, for rows of several lengths (right padding after the selected positions), scattered positions and a row
+    with none selected; the gradients of the unroll equal those of the sequential drafts."""
     torch.manual_seed(0)
     target = tiny_config("llama")
     config = HeadsConfig.for_target(kind, target, base_model_name_or_path="tiny", draft_vocab_size=64)
-    draft = build_heads(config).double().eval()
+    draft = build_heads(config).double()
     embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).double()
-    length, steps = 7, 3
-    ids = torch.randint(0, target.vocab_size, (1, length))
-    features = torch.randn(1, length, target.hidden_size, dtype=torch.float64)
-    with torch.no_grad():
-        unrolled = unroll_draft(draft, features, ids, steps, embed_tokens=embed)
-        for start in range(length - steps):
-            prefix = draft(features[:, : start + 1], shift_left(ids, 1)[:, : start + 1], embed_tokens=embed,
-                           position_ids=torch.arange(start + 1)[None])
-            assert torch.allclose(prefix.hidden_states[0, start], unrolled[0][0, start], atol=1e-10)
-            hidden, cache = prefix.hidden_states[:, -1:], prefix.past_key_value
-            for step in range(1, steps):
-                out = draft(hidden, ids[:, start + 1 + step: start + 2 + step], embed_tokens=embed,
-                            position_ids=torch.tensor([[start + step]]), past_key_value=cache)
-                assert torch.allclose(out.hidden_states[0, 0], unrolled[step][0, start], atol=1e-10), (start, step)
-                hidden, cache = out.hidden_states, out.past_key_value
+    length, steps = 12, 3
+    ids = torch.randint(0, target.vocab_size, (3, length))
+    features = torch.randn(3, length, target.hidden_size, dtype=torch.float64)
+    selected = torch.zeros(3, length, dtype=torch.bool)
+    selected[0, 4:9] = True  # an answer after a prompt, then padding
+    selected[2, [0, 2, 3, 8]] = True  # scattered positions; row 1 has none
+    unrolled = unroll_selected(draft, features, ids, steps, embed, selected)
+    assert [out.shape for out in unrolled] == [(9, target.hidden_size)] * steps
+    weights = torch.randn(steps, 9, target.hidden_size, dtype=torch.float64)
+    sum((out * weight).sum() for out, weight in zip(unrolled, weights, strict=True)).backward()
+    grads = {name: param.grad.clone() for name, param in draft.named_parameters() if param.grad is not None}
+    assert any(name.endswith("mlp.down_proj.weight") for name in grads)
+    draft.zero_grad()
+    chains = torch.stack([_sequential_drafts(draft, features, ids, embed, int(row), int(start), steps)
+                          for row, start in selected.nonzero()], dim=1)  # [steps, N, H]
+    for step in range(steps):
+        assert torch.allclose(unrolled[step], chains[step], atol=1e-10), step
+    (chains * weights).sum().backward()
+    assert {name for name, param in draft.named_parameters() if param.grad is not None} == set(grads)
+    for name, grad in grads.items():
+        assert torch.allclose(draft.get_parameter(name).grad, grad, atol=1e-9), name
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_selected_draft_equals_the_unroll_at_the_selected_positions(qk_norm):
-    """Training's first step at the loss's positions only (queries, attention rows and the MLP there; keys and
-    values everywhere) gives the full step's outputs at those positions and the same gradients, with rows of several
-    lengths (right padding), a row with nothing selected, grouped-query heads and qk_norm."""
+def test_unroll_one_step_with_qk_norm_layers_and_refusals():
+    """The first step's selected-position forward also holds for a DecoderLayer with Qwen3's per-head q/k norms (the
+    draft layers of DFlash), and `selected` refuses a wrong shape and a cache."""
     torch.manual_seed(0)
     target = tiny_config("llama")
     config = HeadsConfig.for_target("eagle", target, base_model_name_or_path="tiny")
     draft = build_heads(config).double()
-    if qk_norm:  # a DecoderLayer with Qwen3's per-head norms (the draft layers of DFlash) in the same places
-        draft.layers[0] = DecoderLayer(config, mode="eagle", qk_norm=True).double()
+    draft.layers[0] = DecoderLayer(config, mode="eagle", qk_norm=True).double()
     embed = torch.nn.Embedding(target.vocab_size, target.hidden_size).double()
-    ids = torch.randint(0, target.vocab_size, (3, 11))
-    features = torch.randn(3, 11, target.hidden_size, dtype=torch.float64)
-    selected = torch.zeros(3, 11, dtype=torch.bool)
-    selected[0, 4:9] = True  # an answer after a prompt, then padding
-    selected[2, [0, 2, 3, 10]] = True  # scattered positions, up to the last one; row 1 has none
-    full = unroll_draft(draft, features, ids, 1, embed_tokens=embed)[0][selected]
-    (full * torch.arange(full.numel(), dtype=full.dtype).view_as(full)).sum().backward()
-    grads = {name: param.grad.clone() for name, param in draft.named_parameters()}
-    draft.zero_grad()
-    part = selected_draft(draft, features, ids, selected, embed_tokens=embed)
-    (part * torch.arange(part.numel(), dtype=part.dtype).view_as(part)).sum().backward()
-    assert part.shape == (int(selected.sum()), target.hidden_size)
-    assert torch.allclose(part, full, atol=1e-12)
-    for name, param in draft.named_parameters():
-        assert torch.allclose(param.grad, grads[name], atol=1e-10), name
+    ids = torch.randint(0, target.vocab_size, (2, 9))
+    features = torch.randn(2, 9, target.hidden_size, dtype=torch.float64)
+    selected = torch.rand(2, 9) < 0.5
+    (first,) = unroll_selected(draft, features, ids, 1, embed, selected)
+    full = draft(features, shift_left(ids, 1), embed_tokens=embed, position_ids=torch.arange(9).expand(2, -1))
+    assert torch.allclose(first, full.hidden_states[selected], atol=1e-12)
     with pytest.raises(ValueError, match="selected"):
-        draft(features, ids, embed_tokens=embed, position_ids=torch.arange(11).expand(3, -1),
-              selected=selected[:, :5])
+        draft(features, ids, embed_tokens=embed, position_ids=torch.arange(9).expand(2, -1), selected=selected[:, :5])
+    with pytest.raises(ValueError, match="selected"):
+        draft(features, ids, embed_tokens=embed, position_ids=torch.arange(9).expand(2, -1), selected=selected,
+              past_key_value=full.past_key_value)
 
 
 def test_shifted_rows_equal_shifting_then_selecting():
