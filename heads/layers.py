@@ -110,6 +110,14 @@ class LayerKV:
         return LayerKV(self.key.index_select(-2, slots), self.value.index_select(-2, slots))
 
 
+def visible_prefix(selected_row: Tensor) -> tuple[Tensor, Tensor]:
+    """For one row's selected positions (bool [T]): (their indices [n], ascending; bool [n, span] where query i may
+    see slot j <= its position), span = the last selected position + 1 (the keys any of them reads)."""
+    where = selected_row.nonzero().squeeze(1)
+    span = int(where[-1]) + 1
+    return where, torch.arange(span, device=where.device)[None, :] <= where[:, None]
+
+
 def causal_mask(batch: int, query_length: int, past_length: int, dtype: torch.dtype,
                 device: torch.device | None = None) -> Tensor:
     """Additive mask [B, 1, S, past + S]: query i sees every past slot and new slots j <= i."""
@@ -201,9 +209,8 @@ class Attention(nn.Module):
         for row, count in enumerate(counts):  # each row attends over its own keys up to its last selected position
             if not count:
                 continue
-            where = selected[row].nonzero().squeeze(1)  # [count] ascending
-            span = int(where[-1]) + 1
-            allowed = torch.arange(span, device=x.device)[None, :] <= where[:, None]  # [count, span]
+            allowed = visible_prefix(selected[row])[1]  # [count, span]
+            span = allowed.shape[1]
             out = F.scaled_dot_product_attention(q[None, :, start:start + count], kv.key[row:row + 1, :, :span],
                                                  kv.value[row:row + 1, :, :span], attn_mask=allowed[None, None],
                                                  scale=self.head_dim ** -0.5,

@@ -28,7 +28,7 @@ from heads.draft_vocab import (
     target_to_draft_ids,
 )
 from heads.eagle import Eagle3Draft, EagleDraft
-from heads.layers import LayerKV
+from heads.layers import LayerKV, visible_prefix
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
 from heads.parallel import DFlashDraft, PEagleDraft
@@ -129,12 +129,11 @@ def unroll_selected(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, s
     for row, count in enumerate(selected.sum(1).tolist() if steps > 1 else []):
         if not count:
             continue
-        where = selected[row].nonzero().squeeze(1)  # [n] ascending
-        span = int(where[-1]) + 1
+        where, prefix = visible_prefix(selected[row])  # [n] ascending, [n, span]
+        span = prefix.shape[1]
         kv = first.past_key_value
         cache = LayerKV(kv.key[row:row + 1, :, :span], kv.value[row:row + 1, :, :span])
         hidden = first.hidden_states[None, start:start + count]  # [1, n, H]
-        prefix = torch.arange(span, device=where.device)[None, :] <= where[:, None]  # [n, span]
         own = torch.eye(count, dtype=torch.bool, device=where.device)
         for step in range(1, steps):
             allowed = torch.cat([prefix] + [own] * step, dim=1)  # step-0 slots, then one block of n per chain step
