@@ -118,14 +118,20 @@ def visible_prefix(selected_row: Tensor) -> tuple[Tensor, Tensor]:
     return where, torch.arange(span, device=where.device)[None, :] <= where[:, None]
 
 
+def additive_mask(allowed: Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
+    """Boolean [q, kv] or [B, q, kv] -> additive float mask [1, 1, q, kv] or [B, 1, q, kv] in `dtype` on `device`
+    (default: allowed's), 0 allowed, finfo.min masked: the one such conversion (draft layers, trees, training)."""
+    device = allowed.device if device is None else device
+    allowed = allowed.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None] if mask.ndim == 2 else mask[:, None]
+
+
 def causal_mask(batch: int, query_length: int, past_length: int, dtype: torch.dtype,
                 device: torch.device | None = None) -> Tensor:
     """Additive mask [B, 1, S, past + S]: query i sees every past slot and new slots j <= i."""
     allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=device)
-    allowed = allowed.tril(diagonal=past_length)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, -1, -1)
+    return additive_mask(allowed.tril(diagonal=past_length), dtype).expand(batch, 1, -1, -1)
 
 
 class Attention(nn.Module):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from heads.layers import additive_mask
 from runtime.tree import Tree
 
 
@@ -28,14 +29,6 @@ def allowed_keys(tree: Tree, prefix_len: int, window: int | None = None) -> torc
         key_pos = torch.cat([torch.arange(prefix_len), prefix_len + tree.depth])  # [P+N]
         allowed &= key_pos[None, :] > (query_pos[:, None] - window)
     return allowed
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Boolean [q, kv] or [B, q, kv] -> additive float mask [1, 1, q, kv] or [B, 1, q, kv] in `dtype` on `device`
-    (0 allowed, finfo.min masked)."""
-    allowed = allowed.to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None] if mask.ndim == 2 else mask[:, None]
 
 
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, start: int = 0,

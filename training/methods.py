@@ -28,7 +28,7 @@ from heads.draft_vocab import (
     target_to_draft_ids,
 )
 from heads.eagle import Eagle3Draft, EagleDraft
-from heads.layers import LayerKV, visible_prefix
+from heads.layers import LayerKV, additive_mask, visible_prefix
 from heads.medusa import MedusaHeads, shared_lm_head_rows
 from heads.mtp import MTPHeads
 from heads.parallel import DFlashDraft, PEagleDraft
@@ -137,8 +137,7 @@ def unroll_selected(draft: nn.Module, first_hidden: Tensor, input_ids: Tensor, s
         own = torch.eye(count, dtype=torch.bool, device=where.device)
         for step in range(1, steps):
             allowed = torch.cat([prefix] + [own] * step, dim=1)  # step-0 slots, then one block of n per chain step
-            mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(hidden.dtype).min)[None, None]
+            mask = additive_mask(allowed, hidden.dtype)
             out = draft(hidden, shift_left(input_ids, 1 + step)[row:row + 1, where], embed_tokens=embed_tokens,
                         position_ids=(where + step)[None], attention_mask=mask, past_key_value=cache)
             cache, hidden = out.past_key_value, out.hidden_states
@@ -453,8 +452,7 @@ def block_attention_mask(anchors: Tensor, valid: Tensor, block: int, length: int
     context = context[:, :, None, :].expand(batch, count, block, length).reshape(batch, count * block, length)
     own = torch.eye(count, dtype=torch.bool, device=device).repeat_interleave(block, 0).repeat_interleave(block, 1)
     allowed = torch.cat([context, own[None].expand(batch, -1, -1)], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return additive_mask(allowed, dtype, device)
 
 
 def dflash_blocks(draft: DFlashDraft, context: Tensor, input_ids: Tensor, anchors: Tensor, valid: Tensor,
@@ -541,12 +539,12 @@ def peagle_entries(draft: PEagleDraft, first: Tensor, input_ids: Tensor, groups:
         (chain[:, None, :] == chain[:, :, None]) & valid[:, None, :])
     allowed |= torch.eye(chain.shape[1], dtype=torch.bool, device=device)[None]
     dtype = first.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(allowed, dtype, device)
     masked = sum(g[0].shape[1] for g in groups[1:])
     hidden = torch.cat([first, draft.mask_features(masked)[None].expand(batch_size, -1, -1)], 1)
     ids = torch.cat([shift_left(input_ids, 1),
                      torch.full((batch_size, masked), draft.config.mask_token_id, dtype=torch.long, device=device)], 1)
-    out, _ = draft(hidden, ids, embed_tokens=embed_tokens, position_ids=chain + level, attention_mask=mask[:, None])
+    out, _ = draft(hidden, ids, embed_tokens=embed_tokens, position_ids=chain + level, attention_mask=mask)
     return out
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from heads.base import target_modules
 from heads.eagle import EagleDraft
-from heads.layers import LayerKV
+from heads.layers import LayerKV, additive_mask
 from runtime.layout import match_panels
 from runtime.proposers.base import Draft, root_only
 from runtime.proposers.draft_vocab import DraftVocab
@@ -210,8 +210,7 @@ class EagleProposer:
             for j, f in enumerate(forwarded):
                 allowed[i, c + j] = f in ancestors
             allowed[i, c + len(forwarded) + i] = True
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None].to(self._last.device)
+        return additive_mask(allowed, self.dtype, self._last.device)
 
     @torch.inference_mode()
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
