@@ -11,7 +11,7 @@ import torch
 
 from heads.loading import load_model, load_tokenizer
 from runtime.config import GenerateArguments
-from runtime.cost_model import describe_relative_costs, kv_length_within, verify_cost_curve
+from runtime.cost_model import VerifyTable, describe_relative_costs, measure_step_costs
 from runtime.layout import check_layout
 from runtime.planner import DraftProfile
 from runtime.proposers import Autoregressive, DraftModelProposer, PromptLookupProposer
@@ -80,15 +80,16 @@ def build_drafter(args: GenerateArguments, target: TargetModel, tokenizer) -> tu
                               seed=args.seed, mode=draft_mode), None
 
 
-def lookup_step_costs(target: TargetModel, max_tokens: int) -> list[float]:
+def lookup_step_costs(target: TargetModel, max_tokens: int) -> VerifyTable:
     """Prompt lookup's cost-aware length: the device's verify cost for 1..max_tokens + 1 tokens relative to a plain
-    step (measured once per model / device / dtype and cached; `runtime.cost_model`), printed."""
-    kv_length = kv_length_within(target, 256, max_tokens + 1)  # a short-context model is measured within its limit
-    curve = verify_cost_curve(target, kv_length=kv_length, max_tokens=max_tokens + 1)
-    costs = curve.relative_to_plain(max_tokens + 1)
-    print(f"[prompt lookup] draft length per step by cost; verify cost vs a plain step "
-          f"{describe_relative_costs(costs)}", file=sys.stderr)
-    return costs
+    step, at the KV lengths the guard and the hybrid measure (256, 1,024, 2,048, interpolated to each step's KV
+    length; measured once per model / device / dtype and cached; `runtime.cost_model`), printed."""
+    costs = measure_step_costs(target, max_tokens + 1)
+    by_kv = "; ".join(f"KV {kv}: {describe_relative_costs(curve.relative_to_plain(max_tokens + 1))}"
+                      for kv, curve in zip(costs.kv_lengths, costs.curves, strict=True))
+    print(f"[prompt lookup] draft length per step by cost at the sequence's KV length; verify cost vs a plain step "
+          f"{by_kv}", file=sys.stderr)
+    return VerifyTable(costs)
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> torch.Tensor:

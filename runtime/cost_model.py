@@ -450,6 +450,29 @@ class StepCosts:
         return ", ".join(f"x{self.relative(tokens, kv, drafting):.2f} at KV {kv}" for kv in self.kv_lengths)
 
 
+KV_BUCKET = 16  # step costs are read at the KV length rounded down to a multiple of this
+
+
+class VerifyTable:
+    """[relative verify cost of q tokens, q = 1, 2, ...] at a sequence's KV length, read from `costs` (StepCosts) at
+    the KV length rounded down to a multiple of KV_BUCKET, once per bucket: a step reads up to ~20 costs, and reading
+    them one by one costs more than prompt lookup's whole propose. Prompt lookup alone and the hybrid's lookup part
+    price their drafts with this one table, so where the hybrid's head rests it drafts what prompt lookup drafts."""
+
+    def __init__(self, costs: StepCosts):
+        self.costs = costs
+        self._buckets: dict[int, list[float]] = {}
+
+    def at(self, kv_length: int, tokens: int) -> list[float]:
+        """At least `tokens` entries: entry q - 1 is verifying q tokens over a plain step, both at `kv_length`."""
+        bucket = kv_length // KV_BUCKET
+        table = self._buckets.get(bucket)
+        if table is None or len(table) < tokens:
+            kv = bucket * KV_BUCKET
+            table = self._buckets[bucket] = [self.costs.relative(q, kv, False) for q in range(1, tokens + 1)]
+        return table
+
+
 def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,
                        first_kv_length: int = GUARD_KV_LENGTHS[0]) -> StepCosts:
     """Verify cost curves up to `max_tokens` query tokens (cached on disk) and, with `proposer`, its propose() time

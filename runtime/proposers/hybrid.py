@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from runtime.cost_model import StepCosts
+from runtime.cost_model import KV_BUCKET, StepCosts, VerifyTable
 from runtime.proposers.base import Draft, Proposer, chain_draft, pending_entries, root_only
 from runtime.proposers.guard import (
     DraftShare,
@@ -79,7 +79,6 @@ from runtime.tree import Tree
 # the text copies and the main job's head is near break-even, without the margin the hybrid ran 0.86-0.94x of
 # prompt lookup alone at the same tau (2.70): its head-only steps cost 2.5 ms of drafting for nothing.
 HEAD_MARGIN = 1.05
-KV_BUCKET = 16  # step costs are read at the KV length rounded down to a multiple of this
 
 
 def best_option(options: dict[tuple[int, int], float]) -> tuple[int, int]:
@@ -152,7 +151,8 @@ class HybridProposer:
         self.ledger = Ledger()
         self.calibration = GateCalibration()  # this sequence's expected over accepted head tokens: scales its gate
         self.asks = DraftShare()  # the share of gated asks (head-only steps) the head drafted; its gate declined the rest
-        self._tables: dict[int, tuple[list[float], float]] = {}  # KV bucket -> costs there (`_table`)
+        self.verify = VerifyTable(costs)  # the verify costs prompt lookup alone reads too
+        self._draft_costs: dict[int, float] = {}  # KV bucket -> the head's modelled draft over a plain step there
         self.lookup = LookupAcceptance()
         self.reset(None, None)
 
@@ -184,15 +184,14 @@ class HybridProposer:
 
     def _table(self, kv_length: int) -> tuple[list[float], float]:
         """At the KV length rounded down to a multiple of KV_BUCKET: [relative verify cost of q tokens, q = 1..the
-        largest step] and the head's modelled draft time over a plain step; read from `costs` once per bucket (a
-        step reads up to ~20 costs, so a step that reads them one by one spends more than lookup's whole propose)."""
+        largest step] (runtime.cost_model.VerifyTable, the table prompt lookup alone reads) and the head's modelled
+        draft time over a plain step, each read from `costs` once per bucket."""
         bucket = kv_length // KV_BUCKET
-        table = self._tables.get(bucket)
-        if table is None:
+        draft = self._draft_costs.get(bucket)
+        if draft is None:
             kv = bucket * KV_BUCKET
-            verify = [self.costs.relative(q, kv, False) for q in range(1, self.tree_size + 2)]
-            table = self._tables[bucket] = (verify, self.costs.draft(kv) / self.costs.plain_seconds(kv))
-        return table
+            draft = self._draft_costs[bucket] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
+        return self.verify.at(kv_length, self.tree_size + 1), draft
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool, pending: int = 0) -> float:
         """costs.relative at the step's KV bucket (`_table`), the head's draft time (drafting) scaled by what it

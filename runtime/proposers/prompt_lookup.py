@@ -9,7 +9,12 @@ text is not being copied, and on hardware where verifying k + 1 tokens costs mor
 drafts make decoding slower. With the device's verify cost curve the proposer drafts, per step, the prefix length
 k of the match that maximises expected tokens per unit of cost, (1 + sum_j prod_{i<=j} a_i) / cost(k + 1), k = 0
 being a plain step. a_i (the chance the i-th drafted token is accepted once the ones before it were) is learned
-per sequence and per matched n-gram length as an exponential average. The first token is learned on every step
+per sequence and per matched n-gram length as an exponential average. The curve is read at the KV length the sequence has
+reached (runtime.cost_model.VerifyTable over the step costs measured at KV 256, 1,024 and 2,048, as the guard and
+the hybrid read theirs; issue 29): a plain step at KV 2,000 costs more than at 256, and a verify of k + 1 tokens does
+not grow in the same proportion. It is the table the hybrid's lookup part reads, so where the hybrid's head rests
+the hybrid drafts what prompt lookup alone drafts (tests/runtime/test_hybrid.py). A fixed list of costs (one KV
+length) is still accepted, for replays (bench.lookup_replay) and tests. The first token is learned on every step
 with a match, drafted or not: the token the target commits next says whether the candidate's first token would
 have been accepted (the draft is free to compute, so declining to verify it loses no information).
 
@@ -23,10 +28,14 @@ predicts 1.01-1.02x there, 1.14-1.18x on MT-Bench in float32, 1.04x in bf16).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.proposers.base import Draft, chain_draft, root_only
+
+if TYPE_CHECKING:
+    from runtime.cost_model import VerifyTable
 
 PRIOR_ACCEPTANCE = (0.3, 0.7)  # a_1 and a_2.. before anything was learned (MT-Bench measured .30 then .6-.85)
 LEARNING_RATE = 0.25  # weight of the newest outcome in the running averages
@@ -117,14 +126,17 @@ class PromptLookupProposer:
 
     hidden_state_indices: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | None = None,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | VerifyTable | None = None,
                  required_gain: float = REQUIRED_GAIN, prior: tuple[float, float] = PRIOR_ACCEPTANCE):
+        """step_costs: relative verify costs for 1, 2, ... tokens at one KV length, or a VerifyTable read at each
+        step's KV length; None drafts every match whole."""
         check_ngram_range(min_ngram, max_ngram)
-        if step_costs is not None and (len(step_costs) < 2 or step_costs[0] <= 0):
+        table = hasattr(step_costs, "at")
+        if step_costs is not None and not table and (len(step_costs) < 2 or step_costs[0] <= 0):
             raise ValueError(f"step_costs: expected relative verify costs for 1, 2, ... tokens, got {step_costs}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.step_costs = list(step_costs) if step_costs is not None else None
+        self.step_costs = step_costs if table or step_costs is None else list(step_costs)
         self.required_gain = required_gain
         self.prior = prior
         self.learned = LookupAcceptance(prior)
@@ -145,7 +157,9 @@ class PromptLookupProposer:
         if self.step_costs is not None:
             self.learned.learn(committed_ids)
             if n:
-                k = best_draft_length(self.learned.of(n, max_tokens), self.step_costs, k, self.required_gain)
+                costs = self.step_costs.at(committed_ids.numel(), k + 1) if hasattr(self.step_costs, "at") \
+                    else self.step_costs
+                k = best_draft_length(self.learned.of(n, max_tokens), costs, k, self.required_gain)
                 self.learned.offered(n, candidate, committed_ids.numel())
         return chain_draft(committed_ids, candidate[:k])
 

@@ -280,3 +280,49 @@ def test_a_head_whose_gate_keeps_declining_is_asked_less_than_its_estimate_says(
     declined = costs.relative(1, kv, False) + costs.draft(kv) / costs.plain_seconds(kv)
     assert options[(0, 1)] == pytest.approx((1 + 0.4 * 0.3) / (0.4 * drafted + 0.6 * declined) / HEAD_MARGIN)
     assert hybrid.options(kv, [0.5], 0, 1, 1.3)[(0, 1)] == pytest.approx(1.3 / drafted / HEAD_MARGIN)
+
+
+def _draft_lengths(proposer, model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], list[int]]:
+    """(the output tokens, the number of drafted nodes at each step) of greedy decoding with `proposer`."""
+    from runtime.config import DecodeConfig, SpeculationConfig
+    from runtime.loop import generate
+    from runtime.target import TargetModel
+
+    lengths, propose = [], proposer.propose
+
+    def recorded(committed_ids, max_tokens):
+        draft = propose(committed_ids, max_tokens)
+        lengths.append(draft.tree.num_nodes - 1)
+        return draft
+
+    proposer.propose = recorded
+    config = DecodeConfig(max_new_tokens=new_tokens, speculation=SpeculationConfig(16))
+    steps = list(generate(TargetModel(model), proposer, prompt, config))
+    return torch.cat(steps).tolist(), lengths
+
+
+def test_where_its_head_rests_the_hybrid_drafts_what_prompt_lookup_drafts():
+    """Prompt lookup alone and the hybrid's lookup part price drafts with one table (runtime.cost_model.VerifyTable)
+    at the sequence's KV length. With a head the hybrid never prefers (expected tau 1, a gate that declines its
+    probes), the hybrid is prompt lookup step for step: the same draft length at every step, the same output. Costs
+    that fall with the KV length (drafts dear at KV 16, cheap by KV 256) make the lengths change along the answer, as
+    a fixed curve (KV 16's) does not."""
+    from runtime.cost_model import VerifyTable
+    from runtime.proposers import PromptLookupProposer
+
+    model = stories260k()
+    model.generation_config.eos_token_id = None
+    costs = StepCosts([16, 256], [CostCurve([1, 64], [1.0, 1.0 + 0.3 * 63]), CostCurve([1, 64], [1.0, 1.0 + 0.004 * 63])],
+                      [0.0, 0.0])
+    prompt = torch.tensor(model.config.bos_token_id).reshape(1)
+    story, _ = _draft_lengths(PromptLookupProposer(), model, prompt, 40)  # the model's own text, which repeats
+    prompt = torch.tensor([model.config.bos_token_id, *story])
+    lookup_out, lookup = _draft_lengths(PromptLookupProposer(step_costs=VerifyTable(costs)), model, prompt, 160)
+    hybrid_head = _Declining(0.0)
+    hybrid = HybridProposer(hybrid_head, 1, 1.0, costs, max_lookup=16)
+    hybrid_out, mixed = _draft_lengths(hybrid, model, prompt, 160)
+    assert hybrid_out == lookup_out and mixed == lookup, (lookup, mixed)
+    assert hybrid_head.asked > 0  # probes asked it (each declined: a plain step, where lookup had no draft either)
+    fixed_out, fixed = _draft_lengths(PromptLookupProposer(step_costs=costs.curves[0].relative_to_plain(17)), model,
+                                      prompt, 160)
+    assert fixed_out == lookup_out and sum(fixed) < sum(lookup), (fixed, lookup)
