@@ -27,7 +27,13 @@ import torch
 from bench.report import write_json
 from heads.cli import parse_flags, run_cli
 from runtime.cost_model import describe_relative_costs, load_curve
-from runtime.proposers.prompt_lookup import PRIOR_ACCEPTANCE, REQUIRED_GAIN, PromptLookupProposer
+from runtime.proposers.prompt_lookup import (
+    OCCURRENCES,
+    PRIOR_ACCEPTANCE,
+    REQUIRED_GAIN,
+    PromptLookupProposer,
+    check_occurrence,
+)
 
 
 @dataclass
@@ -41,6 +47,9 @@ class ReplayArguments:
         "help": "comma-separated margins to compare (1.0 = draft on any expected gain)"})
     prior: str = field(default=",".join(map(str, PRIOR_ACCEPTANCE)), metadata={
         "help": "a_1,a_2: the acceptance the lookup assumes before it has learned any"})
+    occurrence: str = field(default=OCCURRENCES[0], metadata={
+        "help": f"comma-separated occurrence rules to compare ({', '.join(OCCURRENCES)}): which earlier occurrence "
+                "of a match the lookup drafts from"})
     max_new_tokens: int = field(default=128, metadata={"help": "answer tokens replayed per row"})
     max_speculative_tokens: int = field(default=16, metadata={"help": "longest draft, as the runtime's flag"})
     max_ngram: int = field(default=3, metadata={"help": "prompt lookup: longest n-gram to match"})
@@ -58,6 +67,18 @@ class ReplayArguments:
             raise ValueError("--max_new_tokens and --max_speculative_tokens: expected >= 1")
         self.gains()
         self.prior_pair()
+        self.occurrences()
+
+    def occurrences(self) -> list[str]:
+        rules = [o.strip() for o in self.occurrence.split(",") if o.strip()]
+        if not rules:
+            raise ValueError(f"--occurrence: expected one or more of {', '.join(OCCURRENCES)}, got {self.occurrence!r}")
+        for rule in rules:
+            try:
+                check_occurrence(rule)
+            except ValueError as error:
+                raise ValueError(f"--occurrence: {error}") from None
+        return rules
 
     def prior_pair(self) -> tuple[float, float]:
         try:
@@ -135,14 +156,15 @@ def replay(proposer: PromptLookupProposer, prompt: list[int], answer: list[int],
 
 
 def replay_set(pairs: list[tuple[list[int], list[int]]], step_costs: Sequence[float], required_gain: float,
-               args: ReplayArguments) -> dict[str, Any]:
+               args: ReplayArguments, occurrence: str = OCCURRENCES[0]) -> dict[str, Any]:
     proposer = PromptLookupProposer(args.max_ngram, args.min_ngram, step_costs, required_gain=required_gain,
-                                    prior=args.prior_pair())
+                                    prior=args.prior_pair(), occurrence=occurrence)
     results = [replay(proposer, prompt, answer, step_costs, args.max_speculative_tokens) for prompt, answer in pairs]
     tokens, cost = sum(r["tokens"] for r in results), sum(r["cost"] for r in results)
     steps = sum(r["steps"] for r in results)
     per_answer = sorted(r["tokens"] / r["cost"] for r in results)
-    return {"answers": len(results), "required_gain": required_gain, "prior": list(args.prior_pair()),
+    return {"answers": len(results), "required_gain": required_gain, "occurrence": occurrence,
+            "prior": list(args.prior_pair()),
             "tau": tokens / steps,
             "drafted_share": sum(r["drafted_steps"] for r in results) / steps,
             "predicted_speedup": tokens / cost, "median_speedup": per_answer[len(per_answer) // 2],
@@ -158,12 +180,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for directory in args.answer_dirs():
         pairs = load_answers(directory, args.max_new_tokens)
         for gain in args.gains():
-            row = {"answers_from": directory, **replay_set(pairs, step_costs, gain, args)}
-            rows.append(row)
-            print(f"{directory}: {row['answers']} answers, prior {args.prior}, required gain {gain:g}: tau {row['tau']:.3f}, "
-                  f"drafted {row['drafted_share']:.1%} of steps, predicted decode speed-up "
-                  f"{row['predicted_speedup']:.4f} (median {row['median_speedup']:.3f}, "
-                  f"{row['answers_slower']} answers slower)")
+            for occurrence in args.occurrences():
+                row = {"answers_from": directory, **replay_set(pairs, step_costs, gain, args, occurrence)}
+                rows.append(row)
+                print(f"{directory}: {row['answers']} answers, prior {args.prior}, required gain {gain:g}, occurrence "
+                      f"{occurrence}: tau {row['tau']:.3f}, drafted {row['drafted_share']:.1%} of steps, predicted "
+                      f"decode speed-up {row['predicted_speedup']:.4f} (median {row['median_speedup']:.3f}, "
+                      f"{row['answers_slower']} answers slower)")
     if args.output:
         write_json(Path(args.output), {"curve": args.curve, "curve_dtype": curve.dtype,
                                               "step_costs": step_costs, "config": vars(args), "results": rows})

@@ -1,8 +1,18 @@
 """Prompt lookup: draft the continuation of an earlier occurrence of the last n tokens (no model, no training).
 
-For n from max_ngram down to min_ngram, find the EARLIEST earlier occurrence of the last n committed tokens
-(as transformers' prompt_lookup_num_tokens does: the prompt, where copied text usually comes from, is
-searched first) and propose the tokens that followed it, as a chain. Deterministic: Draft.probs is None.
+For n from max_ngram down to min_ngram, find the earlier occurrences of the last n committed tokens, take the one
+whose preceding tokens agree longest with the tokens before them (up to CONTEXT_CAP; the latest among equals), and
+propose the tokens that followed it, as a chain. Deterministic: Draft.probs is None.
+
+Which occurrence: a 1- to 3-token n-gram often occurs many times (a summary's names, an answer's own phrases), and
+the continuations differ. transformers' prompt_lookup_num_tokens takes the earliest (the prompt is searched first),
+as this proposer did until session 66. The occurrence that matches the most context is the one the text is most
+likely copying. Replayed with the cost-aware length on the target's own greedy answers (float32, the KV-256 curve of
+the AVX2-only VM; `results/lookup_match_replay_avx2_s66.json`), predicted speed-up earliest -> longest context:
+80 MT-Bench first turns 1.260 -> 1.280, and on the 7 prompt kinds of bench.kinds (4 answers each) summarise
+1.377 -> 1.467, translate 2.116 -> 2.141, qa 2.207 -> 2.671, rag 1.857 -> 2.041, math 1.348 -> 1.356, code
+1.914 -> 1.892, chat 1.454 -> 1.482. The latest occurrence alone was worse than the earliest on translate (2.018)
+and code (1.837).
 
 Cost-aware length (`step_costs`, CLI `--num_speculative_tokens cost`): a match is not worth verifying when the
 text is not being copied, and on hardware where verifying k + 1 tokens costs more than a plain step (a CPU) such
@@ -37,20 +47,48 @@ from runtime.proposers.base import Draft, chain_draft, root_only
 if TYPE_CHECKING:
     from runtime.cost_model import VerifyTable
 
+CONTEXT_CAP = 16  # tokens before an occurrence compared with the tokens before the suffix, at most (the replays
+# below gave the same speed-ups at 16 as at 32 and 64, and within .001 at 8)
 PRIOR_ACCEPTANCE = (0.3, 0.7)  # a_1 and a_2.. before anything was learned (MT-Bench measured .30 then .6-.85)
 LEARNING_RATE = 0.25  # weight of the newest outcome in the running averages
 REQUIRED_GAIN = 1.2  # expected tokens per unit cost a draft must promise, relative to a plain step
 
 
-def lookup_match(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> tuple[int, torch.Tensor]:
-    """ids [T] -> (n, up to `max_tokens` tokens [m] that followed the earliest earlier match of the longest suffix
-    n-gram, n in max_ngram..min_ngram); (0, empty [0]) if none matches."""
+def longest_context(ids: torch.Tensor, hits: torch.Tensor, n: int, cap: int = CONTEXT_CAP) -> int:
+    """Of the occurrences ids[h:h+n] (h in `hits`, increasing) of the last n tokens of ids [T], the one whose
+    preceding tokens agree longest with the tokens before the suffix (up to `cap`), the latest among equals."""
+    if hits.numel() == 1:
+        return int(hits[0])
+    back = torch.arange(1, cap + 1, device=ids.device)
+    before_hit = hits[:, None] - back[None, :]  # [H, cap] positions j = 1..cap tokens before each occurrence
+    before_suffix = ids.numel() - n - back  # [cap] the same distances before the suffix
+    valid = (before_hit >= 0) & (before_suffix >= 0)[None, :]
+    same = valid & (ids[before_hit.clamp(min=0)] == ids[before_suffix.clamp(min=0)][None, :])
+    agree = same.to(torch.int32).cumprod(dim=1).sum(dim=1)  # [H] tokens agreeing before each occurrence
+    return int(hits[(agree == agree.max()).nonzero().flatten()[-1]])
+
+
+OCCURRENCES = ("longest_context", "earliest", "latest")  # which earlier occurrence a match drafts from
+
+
+def check_occurrence(occurrence: str) -> None:
+    if occurrence not in OCCURRENCES:
+        raise ValueError(f"prompt lookup occurrence: expected one of {', '.join(OCCURRENCES)}, got {occurrence!r}")
+
+
+def lookup_match(ids: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int,
+                 occurrence: str = "longest_context") -> tuple[int, torch.Tensor]:
+    """ids [T] -> (n, up to `max_tokens` tokens [m] that followed an earlier occurrence of the longest suffix n-gram,
+    n in max_ngram..min_ngram: the one with the longest agreeing context before it (`longest_context`), or the
+    earliest or the latest (`occurrence`, for comparisons: bench.lookup_replay --occurrence)); (0, empty [0]) if none
+    matches."""
     length = ids.numel()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = ids[:-1].unfold(0, n, 1)  # [T - n, n]; window i = ids[i:i+n], followed by ids[i+n] (i+n < T)
         hits = (windows == ids[-n:]).all(dim=1).nonzero().flatten()
         if hits.numel():
-            start = int(hits[0]) + n
+            start = n + (longest_context(ids, hits, n) if occurrence == "longest_context"
+                         else int(hits[0] if occurrence == "earliest" else hits[-1]))
             return n, ids[start:start + max_tokens]
     return 0, ids[:0]
 
@@ -127,10 +165,14 @@ class PromptLookupProposer:
     hidden_state_indices: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_costs: Sequence[float] | VerifyTable | None = None,
-                 required_gain: float = REQUIRED_GAIN, prior: tuple[float, float] = PRIOR_ACCEPTANCE):
+                 required_gain: float = REQUIRED_GAIN, prior: tuple[float, float] = PRIOR_ACCEPTANCE,
+                 occurrence: str = "longest_context"):
         """step_costs: relative verify costs for 1, 2, ... tokens at one KV length, or a VerifyTable read at each
-        step's KV length; None drafts every match whole."""
+        step's KV length; None drafts every match whole. occurrence: which earlier occurrence of a match to draft
+        from (`lookup_match`)."""
         check_ngram_range(min_ngram, max_ngram)
+        check_occurrence(occurrence)
+        self.occurrence = occurrence
         table = hasattr(step_costs, "at")
         if step_costs is not None and not table and (len(step_costs) < 2 or step_costs[0] <= 0):
             raise ValueError(f"step_costs: expected relative verify costs for 1, 2, ... tokens, got {step_costs}")
@@ -152,7 +194,7 @@ class PromptLookupProposer:
     def propose(self, committed_ids: torch.Tensor, max_tokens: int) -> Draft:
         if max_tokens <= 0:
             return root_only(committed_ids)
-        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens)  # [m]
+        n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens, self.occurrence)  # [m]
         k = candidate.numel()
         if self.step_costs is not None:
             self.learned.learn(committed_ids)

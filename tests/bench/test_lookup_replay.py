@@ -54,6 +54,10 @@ def test_cli_writes_results_and_names_bad_inputs(tmp_path):
     assert [r["required_gain"] for r in rows] == [1.0, 1000.0] and rows[0]["answers"] == 2
     assert rows[0]["predicted_speedup"] > 1.0 and rows[1]["predicted_speedup"] == 1.0 and rows[1]["tau"] == 1.0
     assert json.loads(out.read_text())["results"] == rows
+    both = main(["--curve", str(curve), "--answers", str(answers), "--occurrence", "earliest,longest_context"])
+    assert [r["occurrence"] for r in both] == ["earliest", "longest_context"]
+    with pytest.raises(ValueError, match="--occurrence: .*expected one of longest_context, earliest, latest"):
+        main(["--curve", str(curve), "--answers", str(answers), "--occurrence", "first"])
     with pytest.raises(FileNotFoundError, match="--answers .*nowhere"):
         main(["--curve", str(curve), "--answers", str(tmp_path / "nowhere")])
     wrong = _dataset(tmp_path / "wrong", {"text": ["a"]})

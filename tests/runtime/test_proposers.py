@@ -5,17 +5,24 @@ import torch
 from transformers import AutoTokenizer
 
 from runtime.proposers import DraftModelProposer, PromptLookupProposer, check_same_vocabulary
-from runtime.proposers.prompt_lookup import lookup_match
+from runtime.proposers.prompt_lookup import longest_context, lookup_match
 from runtime.sampling import SamplingConfig
 from runtime.target import TargetModel
 from tests.tiny_models import STORIES260K, tiny_model
 
 
-def test_lookup_prefers_longest_ngram_then_earliest_match():
+def test_lookup_prefers_longest_ngram_then_the_occurrence_with_the_longest_agreeing_context():
     ids = torch.tensor([5, 6, 7, 8, 9, 1, 7, 3, 4, 6, 7])
     # 3-gram [4, 6, 7] never occurred; 2-gram [6, 7] did at 1, followed by 8 9 1
     assert lookup_match(ids, 3, 1, 3)[1].tolist() == [8, 9, 1]
-    assert lookup_match(ids, 1, 1, 2)[1].tolist() == [8, 9]  # earliest [7]
+    # [7] occurred at 2 (after 6, as the suffix is) and at 6 (after 1): the one after 6, though earlier
+    assert lookup_match(ids, 1, 1, 2)[1].tolist() == [8, 9]
+    # equal contexts: the latest occurrence ([2, 9] occurs after 1 at 1 and at 4; the suffix [2, 9] follows 3)
+    assert lookup_match(torch.tensor([1, 2, 9, 4, 2, 9, 5, 3, 2, 9]), 2, 2, 1)[1].tolist() == [5]
+    # a longer agreeing context beats recency: [3, 1, 2] before the first occurrence, [0, 2] before the second
+    copied = torch.tensor([3, 1, 2, 7, 4, 0, 2, 7, 5, 3, 1, 2, 7])
+    assert lookup_match(copied, 2, 1, 1)[1].tolist() == [4]
+    assert longest_context(copied, torch.tensor([2, 6]), 2) == 2 and longest_context(copied, torch.tensor([6]), 2) == 6
     assert lookup_match(ids, 3, 3, 4)[1].tolist() == []  # [4, 6, 7] never occurred before
     assert lookup_match(torch.tensor([4]), 3, 1, 4)[1].tolist() == []
     assert lookup_match(torch.tensor([4, 4]), 3, 1, 4)[1].tolist() == [4]
