@@ -8,7 +8,7 @@ Which occurrence: a 1- to 3-token n-gram often occurs many times (a summary's na
 the continuations differ. transformers' prompt_lookup_num_tokens takes the earliest (the prompt is searched first),
 as this proposer did until session 66. The occurrence that matches the most context is the one the text is most
 likely copying. Replayed with the cost-aware length on the target's own greedy answers (float32, the KV-256 curve of
-the AVX2-only VM; `results/lookup_match_replay_avx2_s66.json`), predicted speed-up earliest -> longest context:
+the AVX2-only VM; `results/lookup_occurrence_replay_avx2_s66.json`), predicted speed-up earliest -> longest context:
 80 MT-Bench first turns 1.260 -> 1.280, and on the 7 prompt kinds of bench.kinds (4 answers each) summarise
 1.377 -> 1.467, translate 2.116 -> 2.141, qa 2.207 -> 2.671, rag 1.857 -> 2.041, math 1.348 -> 1.356, code
 1.914 -> 1.892, chat 1.454 -> 1.482. The latest occurrence alone was worse than the earliest on translate (2.018)
