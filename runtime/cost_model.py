@@ -454,23 +454,34 @@ KV_BUCKET = 16  # step costs are read at the KV length rounded down to a multipl
 
 
 class VerifyTable:
-    """[relative verify cost of q tokens, q = 1, 2, ...] at a sequence's KV length, read from `costs` (StepCosts) at
-    the KV length rounded down to a multiple of KV_BUCKET, once per bucket: a step reads up to ~20 costs, and reading
-    them one by one costs more than prompt lookup's whole propose. Prompt lookup alone and the hybrid's lookup part
-    price their drafts with this one table, so where the hybrid's head rests it drafts what prompt lookup drafts."""
+    """[relative verify cost of q tokens, q = 1, 2, ...] at a sequence's KV length, and the drafter's modelled draft
+    time over a plain step there, read from `costs` (StepCosts) at the KV length rounded down to a multiple of
+    KV_BUCKET, once per bucket: a step reads up to ~20 costs, and reading them one by one costs more than prompt
+    lookup's whole propose. Prompt lookup alone and the hybrid's lookup part price their drafts with this one table,
+    so where the hybrid's head rests it drafts what prompt lookup drafts."""
 
     def __init__(self, costs: StepCosts):
         self.costs = costs
-        self._buckets: dict[int, list[float]] = {}
+        self._verify: dict[int, list[float]] = {}
+        self._draft: dict[int, float] = {}
 
     def at(self, kv_length: int, tokens: int) -> list[float]:
         """At least `tokens` entries: entry q - 1 is verifying q tokens over a plain step, both at `kv_length`."""
         bucket = kv_length // KV_BUCKET
-        table = self._buckets.get(bucket)
+        table = self._verify.get(bucket)
         if table is None or len(table) < tokens:
             kv = bucket * KV_BUCKET
-            table = self._buckets[bucket] = [self.costs.relative(q, kv, False) for q in range(1, tokens + 1)]
+            table = self._verify[bucket] = [self.costs.relative(q, kv, False) for q in range(1, tokens + 1)]
         return table
+
+    def draft_at(self, kv_length: int) -> float:
+        """The drafter's modelled draft time over a plain step at `kv_length`'s bucket (0 without a drafter)."""
+        bucket = kv_length // KV_BUCKET
+        draft = self._draft.get(bucket)
+        if draft is None:
+            kv = bucket * KV_BUCKET
+            draft = self._draft[bucket] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
+        return draft
 
 
 def measure_step_costs(target: TargetModel, max_tokens: int, proposer=None,

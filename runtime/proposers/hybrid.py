@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from runtime.cost_model import KV_BUCKET, StepCosts, VerifyTable
+from runtime.cost_model import StepCosts, VerifyTable
 from runtime.proposers.base import Draft, Proposer, chain_draft, pending_entries, root_only
 from runtime.proposers.guard import (
     DraftShare,
@@ -151,8 +151,7 @@ class HybridProposer:
         self.ledger = Ledger()
         self.calibration = GateCalibration()  # this sequence's expected over accepted head tokens: scales its gate
         self.asks = DraftShare()  # the share of gated asks (head-only steps) the head drafted; its gate declined the rest
-        self.verify = VerifyTable(costs)  # the verify costs prompt lookup alone reads too
-        self._draft_costs: dict[int, float] = {}  # KV bucket -> the head's modelled draft over a plain step there
+        self.verify = VerifyTable(costs)  # the verify costs prompt lookup alone reads too, and the head's draft
         self.lookup = LookupAcceptance()
         self.reset(None, None)
 
@@ -183,15 +182,10 @@ class HybridProposer:
         self.last_choice = ""
 
     def _table(self, kv_length: int) -> tuple[list[float], float]:
-        """At the KV length rounded down to a multiple of KV_BUCKET: [relative verify cost of q tokens, q = 1..the
-        largest step] (runtime.cost_model.VerifyTable, the table prompt lookup alone reads) and the head's modelled
-        draft time over a plain step, each read from `costs` once per bucket."""
-        bucket = kv_length // KV_BUCKET
-        draft = self._draft_costs.get(bucket)
-        if draft is None:
-            kv = bucket * KV_BUCKET
-            draft = self._draft_costs[bucket] = self.costs.draft(kv) / self.costs.plain_seconds(kv)
-        return self.verify.at(kv_length, self.tree_size + 1), draft
+        """At the KV length rounded down to a multiple of KV_BUCKET (runtime.cost_model.VerifyTable, the table prompt
+        lookup alone reads): [relative verify cost of q tokens, q = 1..the largest step] and the head's modelled draft
+        time over a plain step."""
+        return self.verify.at(kv_length, self.tree_size + 1), self.verify.draft_at(kv_length)
 
     def _cost(self, tokens: int, kv_length: int, drafting: bool, pending: int = 0) -> float:
         """costs.relative at the step's KV bucket (`_table`), the head's draft time (drafting) scaled by what it

@@ -179,6 +179,9 @@ class PromptLookupProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.step_costs = step_costs if table or step_costs is None else list(step_costs)
+        # costs at a step's KV length for `tokens` tokens: the table's bucket, or the fixed list whatever the length
+        self._costs_at = None if step_costs is None else step_costs.at if table else \
+            (lambda kv_length, tokens, fixed=self.step_costs: fixed)
         self.required_gain = required_gain
         self.prior = prior
         self.learned = LookupAcceptance(prior)
@@ -196,12 +199,11 @@ class PromptLookupProposer:
             return root_only(committed_ids)
         n, candidate = lookup_match(committed_ids, self.max_ngram, self.min_ngram, max_tokens, self.occurrence)  # [m]
         k = candidate.numel()
-        if self.step_costs is not None:
+        if self._costs_at is not None:
             self.learned.learn(committed_ids)
             if n:
-                costs = self.step_costs.at(committed_ids.numel(), k + 1) if hasattr(self.step_costs, "at") \
-                    else self.step_costs
-                k = best_draft_length(self.learned.of(n, max_tokens), costs, k, self.required_gain)
+                k = best_draft_length(self.learned.of(n, max_tokens), self._costs_at(committed_ids.numel(), k + 1), k,
+                                      self.required_gain)
                 self.learned.offered(n, candidate, committed_ids.numel())
         return chain_draft(committed_ids, candidate[:k])
 
