@@ -1,7 +1,8 @@
 """Run `bench.drafters` once per prompt kind and compare the drafters kind by kind.
 
     python -m bench.kinds --config configs/bench_kinds_smollm2.yaml [--kinds summarise,chat] \
-        [--methods prompt_lookup] [--max_prompts 1] [--max_new_tokens 32] [--output_dir DIR] [--aggregate_only]
+        [--methods prompt_lookup] [--max_prompts 1] [--max_new_tokens 32] [--output_dir DIR] [--repeats 3] \
+        [--aggregate_only]
 
 The config holds bench.drafters' keys (model, max_prompts, max_new_tokens, methods, dtype, exact, ...; its
 `prompts` is replaced per kind) plus `kinds_file` (the JSONL of `python -m bench.prompt_kinds`; built with
@@ -223,17 +224,22 @@ def main(argv: list[str] | None = None, run_kind: Callable[[Path], Any] = run_dr
     parser.add_argument("--max_prompts", type=int, default=None, help="override: prompts per kind")
     parser.add_argument("--max_new_tokens", type=int, default=None, help="override the config's max_new_tokens")
     parser.add_argument("--output_dir", default=None, help="override the config's output_dir")
+    parser.add_argument("--repeats", type=int, default=None, help="override: runs of every runner per prompt, "
+                        "interleaved, the fastest kept (bench.drafters' repeats)")
     parser.add_argument("--aggregate_only", action="store_true", help="aggregate the kinds' existing results, "
                         "run nothing")
     parser.add_argument(DEBUG_FLAG, action="store_true", help="show Python tracebacks of errors")
     args = parser.parse_args(argv)
     source = f"--config {args.config}"
     config = read_config(args.config)
-    for key in ("max_prompts", "max_new_tokens", "output_dir"):
+    for key in ("max_prompts", "max_new_tokens", "output_dir", "repeats"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     if int(config.get("max_prompts", 4)) < 1:
         raise ValueError(f"{source}: max_prompts must be >= 1, got {config['max_prompts']}")
+    if int(config.get("repeats", 1)) < 1:
+        flag = "--repeats" if args.repeats is not None else f"{source}: repeats"
+        raise ValueError(f"{flag}: expected >= 1, got {config['repeats']}")
     config["methods"] = select_methods(config["methods"], args.methods, source)
     drafters.parse_methods(config["methods"], source)  # bench.drafters' own checks, before any kind runs
     output_dir = Path(config.get("output_dir", DEFAULT_OUTPUT_DIR))

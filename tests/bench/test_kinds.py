@@ -101,13 +101,14 @@ def test_main_runs_each_kind_and_writes_the_summary(tmp_path, capsys):
     def run_kind(path: Path) -> None:
         run_config, specs = drafters.read_config(path)  # a config bench.drafters itself accepts
         assert [s.name for s in specs] == ["lookup3", "lookup_cost"]  # --methods picked two
-        assert run_config["max_prompts"] == 2 and run_config["max_new_tokens"] == 8
+        assert run_config["max_prompts"] == 2 and run_config["max_new_tokens"] == 8 and run_config["repeats"] == 3
         assert read_prompts(run_config["prompts"], 10) == [f"{path.parent.name} prompt {i}: once upon a time"
                                                            for i in range(2)]
         ran.append(path.parent.name)
         fake_kind(Path(run_config["output_dir"]))
 
-    summary = kinds.main(["--config", str(config), "--methods", "lookup3,lookup_cost"], run_kind=run_kind)
+    summary = kinds.main(["--config", str(config), "--methods", "lookup3,lookup_cost", "--repeats", "3"],
+                         run_kind=run_kind)
     assert ran == ["math", "chat"]
     assert json.loads((tmp_path / "out" / "kinds_summary.json").read_text()) == json.loads(json.dumps(summary))
     assert [(r["kind"], r["method"]) for r in summary["overall"]] == [("all", "lookup3"), ("all", "lookup_cost")]
@@ -115,6 +116,8 @@ def test_main_runs_each_kind_and_writes_the_summary(tmp_path, capsys):
     again = kinds.main(["--config", str(config), "--aggregate_only", "--methods", "lookup3"],
                        run_kind=lambda p: pytest.fail("ran"))
     assert again["rows"] == [r for r in summary["rows"] if r["method"] == "lookup3"]
+    with pytest.raises(ValueError, match="--repeats: expected >= 1, got 0"):
+        kinds.main(["--config", str(config), "--repeats", "0"], run_kind=run_kind)
     with pytest.raises(ValueError, match=r"--methods: \['nope'\] not in"):
         kinds.main(["--config", str(config), "--methods", "nope"], run_kind=run_kind)
     with pytest.raises(ValueError, match="kind 'qa' has no prompt in kinds_file"):
