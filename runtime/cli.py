@@ -18,6 +18,8 @@ from runtime.loop import GenerationStats
 
 def main(argv: list[str] | None = None) -> GenerationStats:
     args = parse_flags(GenerateArguments, argv)  # `--config file.yaml` gives defaults, flags override
+    if not args.prompt.strip():  # before loading anything or measuring costs
+        raise ValueError("--prompt: empty text; a prompt needs at least one token")
     torch.set_num_threads(args.num_threads)
     model = SpeculativeModel.from_args(args)
     stats = GenerationStats()

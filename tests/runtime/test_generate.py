@@ -224,6 +224,8 @@ def test_cli_config_file(tmp_path, capsys):
     config.write_text(f"model: {STORIES260K}\nmax_new_tokens: 5\nmethod: autoregressive\n")
     stats = main(["--config", str(config), "--prompt", "Once upon a time"])
     assert stats.new_tokens == 5 and stats.tau == 1.0
+    with pytest.raises(ValueError, match="--prompt: empty text"):  # before the model loads: no such model is fine
+        main(["--model", str(tmp_path / "no_model"), "--prompt", "  "])
     config.write_text("max_new_token: 5\n")
     with pytest.raises(ValueError, match="max_new_token"):
         main(["--config", str(config)])
