@@ -138,6 +138,9 @@ def parse_row(row: Any, fmt: str) -> Conversation:
     conversation = PARSERS[fmt](row)
     if not any(message["role"] == "user" for message in conversation):
         raise RowError("conversation has no user message")
+    empty = next((i for i, m in enumerate(conversation) if m["role"] == "user" and not m["content"].strip()), None)
+    if empty is not None:  # nothing to answer: a self-distilled answer to it would teach the head noise
+        raise RowError(f"user message {empty} is empty")
     return conversation
 
 

@@ -76,13 +76,25 @@ def test_malformed_rows_reported_with_line_numbers_and_skipped(tmp_path):
         {"conversations": [{"from": "gpt", "value": "answer without question"}]},
         {"conversations": [{"from": "human", "value": 7}]},
         {"conversations": [{"from": "human", "value": "ok 2"}]},
+        {"conversations": [{"from": "human", "value": "ok"}, {"from": "gpt", "value": "a"},
+                           {"from": "human", "value": " \n"}]},
     ])
     conversations, skipped = read_conversations(source)
     assert [c[0]["content"] for c in conversations] == ["ok 1", "ok 2"]
-    assert [row.line for row in skipped] == [2, 3, 4, 5, 6, 7]
+    assert [row.line for row in skipped] == [2, 3, 4, 5, 6, 7, 9]
     assert all(isinstance(row, SkippedRow) and row.reason for row in skipped)
     assert "not JSON" in skipped[0].reason and "alien" in skipped[1].reason
     assert "no user message" in skipped[4].reason
+    assert "user message 2 is empty" in skipped[6].reason
+
+
+def test_an_empty_prompt_is_a_bad_row(tmp_path):
+    conversations, skipped = read_conversations(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "  "}, {"prompt": "b"},
+                                                                                   {"text": ""}]))
+    assert [c[0]["content"] for c in conversations] == ["b"]
+    assert [(row.line, row.reason) for row in skipped] == [(1, "user message 0 is empty"),
+                                                           (3, "missing column `prompt` (format detected from "
+                                                               "earlier rows)")]
 
 
 def test_max_rows_counts_conversations_and_ignores_lines_past_the_cut(tmp_path):
