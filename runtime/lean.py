@@ -26,12 +26,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from runtime import kernels
 
 # decoder layers whose forward this module reproduces op for op (transformers 5.x)
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 _PANELS = kernels.PANELS_ATTR
+# how a layer attends: "rows", the row kernel (batch-invariant: a verify gives its one-token steps' bits; bf16, and
+# float32 answers); "model", the model's own attention function on the same tensors (float32 exact decoding: its
+# logits are transformers' forward's bit for bit, verifies included, while the keys and values are still written in
+# place and the modules' machinery is skipped)
+ATTENTION_MODES = ("rows", "model")
 
 
 @dataclass
@@ -43,7 +49,7 @@ class LeanOutput:
     hidden_states: list[torch.Tensor | None] | dict[int, torch.Tensor]  # a dict from HiddenCapture
 
 
-def lean_unavailable(model: nn.Module, float32: bool = False) -> str:
+def lean_unavailable(model: nn.Module, float32: bool = False, attention: str = "rows") -> str:
     """Why the lean forward cannot serve `model` ('' when it can): a bf16 Llama-family model on a CPU (float32 too
     with `float32`), no sliding window, SiLU MLP, every Linear on the panel kernel, the row attention kernel built.
 
@@ -69,6 +75,9 @@ def lean_unavailable(model: nn.Module, float32: bool = False) -> str:
         return f"hidden_act {getattr(config, 'hidden_act', None)!r} / pretraining_tp: only silu and tp 1"
     if kernels.library() is None:
         return f"the kernels are unavailable ({kernels.unavailable_reason()})"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if attention == "model" and implementation not in ALL_ATTENTION_FUNCTIONS and implementation != "eager":
+        return f"attention implementation {implementation!r}: the model's own attention function is not known here"
     linears = [model.get_output_embeddings()]
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
@@ -118,8 +127,10 @@ def _fused(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None,
 class _Layer:
     """One decoder layer's lean forward (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, attention_mode: str = "rows", config=None):
         attention, mlp = layer.self_attn, layer.mlp
+        self.module, self.attention_mode, self.config = attention, attention_mode, config
+        self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
@@ -181,8 +192,19 @@ class _Layer:
         cache_layer.keys = self.keys[:len(rows), :, :length]
         cache_layer.values = self.values[:len(rows), :, :length]
 
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, n, Hq, D]: the row kernel over the allowed keys, or the model's own attention function (looked up per
+        call, so a wrapper the caller installed around the model's forward applies here too) with the additive mask,
+        as the model's attention module calls it."""
+        if self.attention_mode == "rows":
+            return kernels.row_attention(query, keys, values, allowed, self.scaling)
+        implementation = self.config._attn_implementation
+        function = self.eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        return function(self.module, query, keys, values, mask, dropout=0.0, scaling=self.scaling)[0]
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
-                 allowed: torch.Tensor) -> torch.Tensor:
+                 allowed: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, n, width = x.shape
         h = self.input_norm(x).view(batch * n, width)
         qkv = _product(h, self.qkv, self.qkv_width, self.qkv_bias, self.qkv_parts).view(batch, n, -1)
@@ -201,14 +223,17 @@ class _Layer:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = self.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         keys, values = self._append(cache_layer, key, value)
-        attended = kernels.row_attention(query, keys, values, allowed, self.scaling)  # [B, n, Hq, D]
+        attended = self._attend(query, keys, values, allowed, mask)  # [B, n, Hq, D]
         x = x + _product(attended.view(batch * n, -1), self.o_panels, width, self.o_bias,
                          self.o_parts).view(batch, n, width)
         h = self.post_norm(x).view(batch * n, width)
         gate_up = _product(h, self.gate_up, self.gate_up_width, self.gate_up_bias, self.gate_up_parts)
         (g0, g_out), (u0, u_out) = self.gate_up_spans
-        # each row's own slice: the activation's vector loop and scalar tail fall on the same columns for every row
-        activated = self.act(gate_up[:, g0:g0 + g_out]) * gate_up[:, u0:u0 + u_out]
+        gate = gate_up[:, g0:g0 + g_out]
+        # rows: each row's own slice, so the activation's vector loop and scalar tail fall on the same columns for
+        # every row; model: one contiguous block, as the model's MLP hands its activation the gate product (the tail
+        # then falls where it falls there: a vector and a scalar exp round differently)
+        activated = self.act(gate if self.attention_mode == "rows" else gate.contiguous()) * gate_up[:, u0:u0 + u_out]
         return x + _product(activated, self.down_panels, width, self.down_bias, self.down_parts).view(batch, n, width)
 
 
@@ -230,16 +255,21 @@ def _padded(panels: torch.Tensor) -> int:
 class LeanForward:
     """The lean forward of one laid-out bf16 Llama-family model (build it after the weight layout; see
     `lean_unavailable`). Call it with a DynamicCache whose layers hold the committed slots (plus earlier pending
-    ones), input_ids and positions [B, n], allowed keys [B, n, L + n] (bool or uint8, slot order)."""
+    ones), input_ids and positions [B, n], allowed keys [B, n, L + n] (bool or uint8, slot order) for the row kernel
+    (`attention` "rows"), or the additive mask for the model's own attention function ("model")."""
 
-    def __init__(self, model: nn.Module, float32: bool = False):
-        why_not = lean_unavailable(model, float32)
+    def __init__(self, model: nn.Module, float32: bool = False, attention: str = "rows"):
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"lean forward: attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        why_not = lean_unavailable(model, float32, attention)
         if why_not:
             raise ValueError(f"lean forward: {why_not}")
+        self.attention = attention
         base = model.model
         self.embed, self.norm, self.rotary_emb = base.embed_tokens, base.norm, base.rotary_emb
         self.lm_head = model.get_output_embeddings()
-        self.layers = [_Layer(layer) for layer in base.layers[:model.config.get_text_config().num_hidden_layers]]
+        self.layers = [_Layer(layer, attention, model.config)
+                       for layer in base.layers[:model.config.get_text_config().num_hidden_layers]]
         first = base.layers[0].self_attn.q_proj
         self._probe = (first, first.__dict__[_PANELS], self.lm_head, self.lm_head.__dict__[_PANELS])
 
@@ -261,18 +291,25 @@ class LeanForward:
         return True
 
     @torch.inference_mode()
-    def __call__(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                 hidden_state_indices: tuple[int, ...] = (), logits_to_keep: int = 0) -> LeanOutput:
+    def __call__(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
+                 hidden_state_indices: tuple[int, ...] = (), logits_to_keep: int = 0,
+                 attention_mask: torch.Tensor | None = None) -> LeanOutput:
+        """allowed [B, n, L + n] (the row kernel's keys) or, with attention "model", attention_mask: the additive
+        [B, 1, n, L + n] mask the model's own forward would be given."""
+        if (attention_mask if self.attention == "model" else allowed) is None:
+            raise ValueError(f"lean forward ({self.attention} attention): needs "
+                             f"{'attention_mask' if self.attention == 'model' else 'allowed'}")
         count = len(self.layers) + 1
         wanted = {index % count for index in hidden_state_indices}
         hidden: list[torch.Tensor | None] = [None] * count
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(x, positions)
-        allowed = allowed.to(torch.uint8).contiguous()
+        if self.attention == "rows":
+            allowed = allowed.to(torch.uint8).contiguous()
         if 0 in wanted:
             hidden[0] = x
         for index, (layer, cache_layer) in enumerate(zip(self.layers, cache.layers, strict=False)):
-            x = layer(x, cos, sin, cache_layer, allowed)
+            x = layer(x, cos, sin, cache_layer, allowed, attention_mask)
             if index + 1 in wanted and index + 1 < count - 1:
                 hidden[index + 1] = x
         x = self.norm(x)

@@ -284,7 +284,8 @@ class TargetModel:
         # decode steps and verifies through runtime.lean (set by the load-time verify check when that forward gives
         # transformers' logits bit for bit on this model; rebuilt after a weight layout change)
         self.lean_wanted = False
-        self.lean_float32 = False  # float32 too (data.engines.RuntimeEngine: answers, not exact decoding)
+        self.lean_float32 = False  # float32 too (exact decoding with "model" attention; answers with "rows")
+        self.lean_attention = "rows"  # runtime.lean.ATTENTION_MODES: the row kernel, or the model's own attention
         # prefill_rows forwards prompts of similar lengths together, right-padded (products of more rows run faster,
         # but a row's bits then depend on its group: for answers, not for exact decoding; see _prefill_groups)
         self.group_prefill = False
@@ -395,11 +396,14 @@ class TargetModel:
         lean = self.lean_forward() if (self.slots > 0 and input_ids.shape[1] <= kernels.ROW_ATTENTION_MAX_QUERIES
                                        and not isinstance(mask, dict)) else None
         try:
-            if lean is not None:
+            if lean is not None and lean.attention == "rows":
                 return lean(self.cache, input_ids.to(self.device), positions.to(self.device), mask[:, 0] == 0,
                             hidden_state_indices, logits_to_keep)
             with _grouped_kv_in_kernel(self._gqa_in_kernel), _sdpa_replaced(self._float32_attention, _sdpa_in_float32), \
                     _sdpa_replaced(self._rows_attention and self.slots > 0, _attention_by_rows):
+                if lean is not None:  # the model's own attention function, called as its modules would call it
+                    return lean(self.cache, input_ids.to(self.device), positions.to(self.device), None,
+                                hidden_state_indices, logits_to_keep, attention_mask=mask)
                 if hidden_state_indices and self._hooks_serve(hidden_state_indices):
                     with self._capture.catching(hidden_state_indices) as caught:
                         out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=True,
@@ -438,9 +442,10 @@ class TargetModel:
         """The lean forward for this model's current weight layout when it is wanted and can serve (else None)."""
         if not self.lean_wanted or self.mode != "tree":
             return None
-        if self._lean is None or not self._lean.current():
-            float32 = self.lean_float32
-            self._lean = None if lean_unavailable(self.model, float32) else LeanForward(self.model, float32)
+        if self._lean is None or not self._lean.current() or self._lean.attention != self.lean_attention:
+            float32, attention = self.lean_float32, self.lean_attention
+            self._lean = None if lean_unavailable(self.model, float32, attention) else \
+                LeanForward(self.model, float32, attention)
         return self._lean
 
     @torch.inference_mode()

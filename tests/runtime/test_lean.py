@@ -1,6 +1,7 @@
-"""The lean bf16 decode/verify forward (runtime.lean): transformers' logits bit for bit on one-token steps, a verify
+"""The lean decode/verify forward (runtime.lean): in bf16 transformers' logits bit for bit on one-token steps, a verify
 equal to its one-token steps, speculative output equal to plain decoding, a cache that survives compaction and
-layout changes, and the load-time verify check's line."""
+layout changes, and the load-time verify check's line; in float32 with the model's own attention, transformers'
+logits bit for bit on steps and on every tree verify, and greedy output equal to transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from runtime.layout import set_layout
 from runtime.lean import LeanForward, lean_unavailable
 from runtime.target import TargetModel
 from runtime.tree import Tree
-from runtime.verify_check import lean_matches, prepare_target
-from tests.runtime.test_row_attention import assert_every_tree_verifies_as_steps
+from runtime.verify_check import lean_matches, lean_model_matches, prepare_target
+from tests.runtime.test_row_attention import TREES, assert_every_tree_verifies_as_steps
 from tests.tiny_models import stories260k, tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler for the kernels")
@@ -134,8 +135,81 @@ def test_verify_check_turns_the_lean_forward_on_and_says_so(capsys, monkeypatch)
     monkeypatch.setenv("SPECHEADS_LEAN", "off")
     target = prepare_target(stories260k(torch.bfloat16), use_cache=False)
     assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and target.lean_forward() is None
-    prepare_target(stories260k(torch.float32), use_cache=False)  # float32: the model's own forward, no line
+    prepare_target(stories260k(torch.float32), use_cache=False, layout="rows")  # no panels: nothing to say
     assert "lean forward" not in capsys.readouterr().err
+
+
+def _float32_model(arch: str):
+    if arch == "stories260K":
+        return stories260k(torch.float32)
+    if arch == "llama-odd":  # an MLP width whose activation leaves a scalar tail in a block of several rows
+        return tiny_model("llama", intermediate_size=100)
+    if arch == "llama-biases":
+        model = tiny_model("llama", attention_bias=True, mlp_bias=True)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.5)
+        return model
+    return tiny_model(arch)
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHITECTURES + ["stories260K", "llama-odd", "llama-biases"])
+def test_float32_lean_with_the_models_attention_is_transformers_bit_for_bit(arch):
+    """float32 exact decoding on the lean forward with the model's own attention function: one-token steps, their
+    hidden states and every verify (chains of 2-16, a 12-node tree, with its hidden states at every HF index) give
+    transformers' forward's numbers bit for bit; with the row kernel instead they would not (llama-odd: the
+    activation's scalar tail falls on other columns when it runs per row)."""
+    model = _float32_model(arch)
+    set_layout(model, "rows+panels")
+    target = TargetModel(model)
+    assert lean_model_matches(target) == ""
+    gen = torch.Generator().manual_seed(4)
+    vocab = min(target.vocab_size, 500)
+    prompt = torch.randint(3, vocab, (21,), generator=gen)
+    indices = tuple(range(-target.num_layers - 1, 0))
+    for name, tree in TREES.items():
+        tokens = torch.randint(3, vocab, (tree.num_nodes,), generator=gen)
+        outs = []
+        for lean in (False, True):
+            target.lean_wanted, target.lean_float32, target.lean_attention = lean, lean, "model"
+            assert (target.lean_forward() is not None) == lean
+            target.prefill(prompt)
+            outs.append(target.forward(tokens, tree, hidden_state_indices=indices))
+            target.commit([])
+        assert torch.equal(outs[0].logits, outs[1].logits), f"{arch} {name}"
+        assert all(torch.equal(outs[0].hidden[i], outs[1].hidden[i]) for i in indices), f"{arch} {name}"
+
+
+def test_float32_exact_decoding_takes_the_lean_forward_and_equals_generate(capsys, monkeypatch):
+    """The load-time check turns the float32 lean forward on (one line); greedy prompt lookup and plain decoding on it
+    equal transformers' `generate` token for token, and data.distill's runtime engine still answers on the row
+    kernel (its own check); SPECHEADS_LEAN=off keeps transformers' forward."""
+    from data.engines import RuntimeEngine, Sampling
+    from runtime.config import DecodeConfig, SpeculationConfig
+    from runtime.loop import generate
+    from runtime.proposers import Autoregressive, PromptLookupProposer
+
+    model = stories260k(torch.float32)
+    target = prepare_target(model, use_cache=False, layout="rows+panels")
+    assert "verify check: lean forward on (float32, rows+panels), the model's own attention" in capsys.readouterr().err
+    assert target.lean_forward() is not None and target.lean_forward().attention == "model"
+    gen = torch.Generator().manual_seed(2)
+    for n in (5, 17, 40):
+        prompt = torch.cat([torch.tensor([1]), torch.randint(3, 500, (n,), generator=gen)])
+        expected = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=48,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        for proposer in (Autoregressive(), PromptLookupProposer(max_ngram=2)):
+            config = DecodeConfig(max_new_tokens=48, eos_token_ids=(),
+                                  speculation=SpeculationConfig(num_speculative_tokens=5))
+            assert torch.equal(torch.cat(list(generate(target, proposer, prompt, config))), expected)
+
+    RuntimeEngine(target, Sampling(4, (2,)), batch_size=2)
+    assert "answers: lean forward on (float32)" in capsys.readouterr().err and target.lean_attention == "rows"
+
+    monkeypatch.setenv("SPECHEADS_LEAN", "off")
+    target = prepare_target(stories260k(torch.float32), use_cache=False, layout="rows+panels")
+    assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and target.lean_forward() is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
