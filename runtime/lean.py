@@ -1,6 +1,6 @@
 """A lean decode/verify forward for Llama-family targets (Llama, Mistral without a window, Qwen2, Qwen3) in bfloat16
-on a CPU: the same weights, the same kernels and the same torch ops per row as transformers' forward, without its
-module machinery.
+or float32 on a CPU: the same weights, the same kernels and the same torch ops per row as transformers' forward,
+without its module machinery.
 
 Why: with the AVX512-BF16 dot panels a bf16 decode step of SmolLM2-135M spent 11 ms in the products and 1.4 ms in
 attention, and ~7.5 ms elsewhere: transformers' modules, its mask preparation, a `torch.cat` of every layer's
@@ -17,6 +17,14 @@ are batch-invariant, norms, rotary and residual adds are row-wise, and the activ
 (so no row takes a vector loop's scalar tail that another call would not). The load-time verify check compares this
 forward's logits with transformers' forward, one-token steps and a verify, bit for bit, and turns it off (in one line)
 where they differ (runtime.verify_check).
+
+float32 (session 67): exact decoding keeps transformers' numbers, where a verify differs from one-token steps in the
+last bits (torch's sdpa sums a block of query rows together), so there the layers call the model's own attention
+function (`attention="model"`: sdpa with the same additive mask and GQA switch, on the keys and values written in
+place) and hand the activation the gate product as one block, as the model's MLP does; the check then compares steps
+AND a verify with transformers' forward bit for bit (runtime.verify_check.lean_model_matches). What remains saved:
+the torch.cat of every layer's whole cache per step, mask preparation, module calls, the fused q/k/v and gate/up
+products. SmolLM2-135M, float32, one thread, KV 256: a plain step 1.18x faster, verifies of 2-5 tokens 1.16-1.21x.
 """
 
 from __future__ import annotations
@@ -53,10 +61,12 @@ def lean_unavailable(model: nn.Module, float32: bool = False, attention: str = "
     """Why the lean forward cannot serve `model` ('' when it can): a bf16 Llama-family model on a CPU (float32 too
     with `float32`), no sliding window, SiLU MLP, every Linear on the panel kernel, the row attention kernel built.
 
-    float32 is for answering, not for exact decoding: there the row kernel sums a row's attention in another order
-    than torch's sdpa, so logits differ from transformers' forward in the last bits (a near-tie can flip, as between
-    any two engines); data.engines.RuntimeEngine takes it for data, where it answers ~1.2x faster (the keys and
-    values written in place instead of a torch.cat of the whole cache per layer and step; the row attention kernel)."""
+    float32 with the row kernel is for answering, not for exact decoding: the row kernel sums a row's attention in
+    another order than torch's sdpa, so logits differ from transformers' forward in the last bits (a near-tie can
+    flip, as between any two engines); data.engines.RuntimeEngine takes it for data, where it answers ~1.2x faster
+    (the keys and values written in place instead of a torch.cat of the whole cache per layer and step; the row
+    attention kernel). Exact float32 decoding takes `attention="model"` (the model's own attention function, known
+    for sdpa, eager and the registered ones), transformers' numbers bit for bit."""
     config = model.config.get_text_config()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
