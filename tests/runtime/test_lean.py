@@ -179,6 +179,15 @@ def test_float32_lean_with_the_models_attention_is_transformers_bit_for_bit(arch
             target.commit([])
         assert torch.equal(outs[0].logits, outs[1].logits), f"{arch} {name}"
         assert all(torch.equal(outs[0].hidden[i], outs[1].hidden[i]) for i in indices), f"{arch} {name}"
+    rows = [torch.randint(3, vocab, (n,), generator=gen) for n in (5, 11, 8)]  # a batch: rows of holes, padding
+    trees = [Tree.chain(3), TREES["tree 12"], Tree.chain(0)]
+    tokens = [torch.randint(3, vocab, (tree.num_nodes,), generator=gen) for tree in trees]
+    batches = []
+    for lean in (False, True):
+        target.lean_wanted, target.lean_float32, target.lean_attention = lean, lean, "model"
+        target.prefill_rows(rows)
+        batches.append(target.forward_rows(tokens, trees))
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(*batches, strict=True)), arch
 
 
 def test_float32_exact_decoding_takes_the_lean_forward_and_equals_generate(capsys, monkeypatch):
