@@ -284,3 +284,29 @@ def test_float32_answers_keep_transformers_forward_where_the_check_fails(capsys,
     engine = RuntimeEngine(target, Sampling(4, (2,)), batch_size=2)
     assert "answers: lean forward off (float32: " in capsys.readouterr().err
     assert engine.describe()["forward"] == "transformers" and target.lean_forward() is None
+
+
+def test_float32_lean_stays_off_where_it_is_not_transformers_bits(capsys, monkeypatch):
+    """Deliberately broken model-attention lean forwards: one off in the last bit of its attention, one that raises;
+    the check keeps transformers' forward and says why, in one line."""
+    import runtime.lean as lean_module
+
+    original = lean_module._Layer._attend
+
+    def nudged(self, query, keys, values, allowed, mask):
+        out = original(self, query, keys, values, allowed, mask)
+        return out if self.attention_mode == "rows" else torch.nextafter(out, out + 1)
+
+    monkeypatch.setattr(lean_module._Layer, "_attend", nudged)
+    target = prepare_target(stories260k(torch.float32), use_cache=False, layout="rows+panels")
+    assert ("lean forward off (float32, rows+panels): its step logits differ from transformers' forward"
+            in capsys.readouterr().err) and target.lean_forward() is None
+
+    def broken(self, query, keys, values, allowed, mask):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(lean_module._Layer, "_attend", broken)
+    target = prepare_target(stories260k(torch.float32), use_cache=False, layout="rows+panels")
+    err = capsys.readouterr().err
+    assert "lean forward off (float32, rows+panels): its forward failed (TargetError: " in err and "boom" in err
+    assert target.lean_forward() is None
