@@ -284,7 +284,6 @@ class TargetModel:
         # decode steps and verifies through runtime.lean (set by the load-time verify check when that forward gives
         # transformers' logits bit for bit on this model; rebuilt after a weight layout change)
         self.lean_wanted = False
-        self.lean_float32 = False  # float32 too (exact decoding with "model" attention; answers with "rows")
         self.lean_attention = "rows"  # runtime.lean.ATTENTION_MODES: the row kernel, or the model's own attention
         # prefill_rows forwards prompts of similar lengths together, right-padded (products of more rows run faster,
         # but a row's bits then depend on its group: for answers, not for exact decoding; see _prefill_groups)
@@ -443,7 +442,8 @@ class TargetModel:
         if not self.lean_wanted or self.mode != "tree":
             return None
         if self._lean is None or not self._lean.current() or self._lean.attention != self.lean_attention:
-            float32, attention = self.lean_float32, self.lean_attention
+            # a float32 target is served once a check wanted it (exact decoding: "model"; answers: "rows")
+            float32, attention = self.dtype == torch.float32, self.lean_attention
             self._lean = None if lean_unavailable(self.model, float32, attention) else \
                 LeanForward(self.model, float32, attention)
         return self._lean

@@ -391,17 +391,17 @@ def lean_model_matches(target: TargetModel, tokens: int = STEPS_PROBE, seed: int
     transformers' forward's logits and last hidden states on `tokens` one-token steps and its logits on a
     `tokens`-token verify, all bit for bit (so float32 decoding on it is the same numbers, only faster); else what
     differed."""
-    wanted = (target.lean_wanted, target.lean_float32, target.lean_attention)
+    wanted = (target.lean_wanted, target.lean_attention)
     try:
         target.lean_wanted = False
         reference = _probe_forwards(target, tokens, seed, with_hidden=True)
-        target.lean_wanted, target.lean_float32, target.lean_attention = True, True, "model"
+        target.lean_wanted, target.lean_attention = True, "model"
         try:
             lean = _probe_forwards(target, tokens, seed, with_hidden=True)
         except Exception as error:  # an attention function that does not take our call: transformers' forward stays
             return f"forward failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
     finally:
-        target.lean_wanted, target.lean_float32, target.lean_attention = wanted
+        target.lean_wanted, target.lean_attention = wanted
     for label, got, want in zip(("step logits", "step hidden states", "verify logits"), lean, reference, strict=True):
         if not torch.equal(got, want):
             return f"{label} differ from transformers' forward"
@@ -425,7 +425,7 @@ def lean_model_line(target: TargetModel, layout: str, use_cache: bool = True) ->
     where = f"(float32, {layout})"
     if difference:
         return f"verify check: lean forward off {where}: its {difference}; decode steps run transformers' forward"
-    target.lean_wanted, target.lean_float32, target.lean_attention = True, True, "model"
+    target.lean_wanted, target.lean_attention = True, "model"
     return (f"verify check: lean forward on {where}, the model's own attention: {STEPS_PROBE} one-token steps and a "
             f"{STEPS_PROBE}-token verify give transformers' logits bit for bit")
 
@@ -446,10 +446,10 @@ def lean_for_answers(target: TargetModel) -> str:
         return ""
     if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return f"answers: lean forward off (${LEAN_ENV}); transformers' forward answers"
-    before = (target.lean_wanted, target.lean_float32, target.lean_attention)  # the lean forward exact decoding took
+    before = (target.lean_wanted, target.lean_attention)  # the lean forward exact decoding took
     target.lean_wanted = False
     reference = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
-    target.lean_wanted, target.lean_float32, target.lean_attention = True, True, "rows"
+    target.lean_wanted, target.lean_attention = True, "rows"
     lean = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
     gap = max(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
               for got, want in zip(lean[:2], reference[:2], strict=True))
@@ -457,7 +457,7 @@ def lean_for_answers(target: TargetModel) -> str:
     if gap <= LEAN_DATA_TOLERANCE and same_argmax and torch.equal(lean[2], lean[0]):
         return (f"answers: lean forward on (float32): logits and hidden states within {gap:.1e} of transformers' "
                 f"forward (the largest |value| as the unit), argmax equal on {STEPS_PROBE} steps")
-    target.lean_wanted, target.lean_float32, target.lean_attention = before
+    target.lean_wanted, target.lean_attention = before
     forward = "the lean forward with the model's attention" if target.lean_wanted else "transformers' forward"
     return (f"answers: lean forward off (float32: {gap:.1e} from transformers' forward, argmax "
             f"{'equal' if same_argmax else 'differs'}); {forward} answers")

@@ -172,7 +172,7 @@ def test_float32_lean_with_the_models_attention_is_transformers_bit_for_bit(arch
         tokens = torch.randint(3, vocab, (tree.num_nodes,), generator=gen)
         outs = []
         for lean in (False, True):
-            target.lean_wanted, target.lean_float32, target.lean_attention = lean, lean, "model"
+            target.lean_wanted, target.lean_attention = lean, "model"
             assert (target.lean_forward() is not None) == lean
             target.prefill(prompt)
             outs.append(target.forward(tokens, tree, hidden_state_indices=indices))
@@ -184,7 +184,7 @@ def test_float32_lean_with_the_models_attention_is_transformers_bit_for_bit(arch
     tokens = [torch.randint(3, vocab, (tree.num_nodes,), generator=gen) for tree in trees]
     batches = []
     for lean in (False, True):
-        target.lean_wanted, target.lean_float32, target.lean_attention = lean, lean, "model"
+        target.lean_wanted, target.lean_attention = lean, "model"
         target.prefill_rows(rows)
         batches.append(target.forward_rows(tokens, trees))
     assert all(torch.equal(a.logits, b.logits) for a, b in zip(*batches, strict=True)), arch
@@ -265,7 +265,7 @@ def test_float32_answers_take_the_lean_forward_within_rounding_of_transformers(c
             reference = model(sequence, output_hidden_states=True).hidden_states[5][0]
         assert torch.allclose(answer.features[5], reference, rtol=0, atol=1e-4 * float(reference.abs().max()))
 
-    target.lean_wanted = target.lean_float32 = False
+    target.lean_wanted = False
     monkeypatch.setenv("SPECHEADS_LEAN", "off")
     engine = RuntimeEngine(target, Sampling(10, (2,)), batch_size=20, feature_layers=(5,))
     assert "lean forward off ($SPECHEADS_LEAN)" in capsys.readouterr().err and engine.describe()["forward"] == "transformers"
