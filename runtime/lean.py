@@ -22,7 +22,7 @@ float32 (session 67): exact decoding keeps transformers' numbers, where a verify
 last bits (torch's sdpa sums a block of query rows together), so there the layers call the model's own attention
 function (`attention="model"`: sdpa with the same additive mask and GQA switch, on the keys and values written in
 place) and hand the activation the gate product as one block, as the model's MLP does; the check then compares steps
-AND a verify with transformers' forward bit for bit (runtime.verify_check.lean_model_matches). What remains saved:
+AND a verify with transformers' forward bit for bit (runtime.verify_check.lean_matches). What remains saved:
 the torch.cat of every layer's whole cache per step, mask preparation, module calls, the fused q/k/v and gate/up
 products. SmolLM2-135M, float32, one thread, KV 256: a plain step 1.18x faster, verifies of 2-5 tokens 1.16-1.21x.
 """

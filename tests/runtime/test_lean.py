@@ -13,7 +13,7 @@ from runtime.layout import set_layout
 from runtime.lean import LeanForward, lean_unavailable
 from runtime.target import TargetModel
 from runtime.tree import Tree
-from runtime.verify_check import lean_matches, lean_model_matches, prepare_target
+from runtime.verify_check import lean_matches, prepare_target
 from tests.runtime.test_row_attention import TREES, assert_every_tree_verifies_as_steps
 from tests.tiny_models import stories260k, tiny_model
 
@@ -163,7 +163,7 @@ def test_float32_lean_with_the_models_attention_is_transformers_bit_for_bit(arch
     model = _float32_model(arch)
     set_layout(model, "rows+panels")
     target = TargetModel(model)
-    assert lean_model_matches(target) == ""
+    assert lean_matches(target, "model") == ""
     gen = torch.Generator().manual_seed(4)
     vocab = min(target.vocab_size, 500)
     prompt = torch.randint(3, vocab, (21,), generator=gen)
