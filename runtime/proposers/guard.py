@@ -431,24 +431,33 @@ class PayingGuard:
 
     def drafted_step_price(self, step_seconds: float) -> float:
         """What the ledger charges the step just drafted, in plain steps. Timed (`timed` given): its
-        measured time over a plain step's measured here, but for the sequence's first draft, charged the step
+        measured time over a plain step's measured here, and never less than a plain step plus the drafter's own
+        measured seconds (a verify of more tokens does not cost less than the root's; before the sequence has run
+        plain steps, the plain step is the cost model's, and a shared machine's drift put it 35% above what this
+        sequence's plain steps took: drafted steps that committed one token were charged 0.84-0.99 of one, so a
+        head that never accepted looked like it paid); but for the sequence's first draft, charged the step
         cost: it also fed the drafter the whole prompt, the one-off price of trying the head at all (the planner's
         decision), which resting would not win back. Untimed: the modelled verify plus the drafter's measured time
         (`charge`), else the step cost."""
         if self.clock is not None:
             if not self._drafted_before:
                 return self.step_cost
-            return step_seconds / self.clock.plain_seconds(self._kv_length)
+            plain = self.clock.plain_seconds(self._kv_length)
+            return max(step_seconds / plain, 1.0 + self._draft_seconds / plain)
         return self.step_cost if self.charge is None else self.charge(self._kv_length, self._draft_seconds)
 
-    def declined_step_price(self, step_seconds: float) -> float:
+    def declined_step_price(self) -> float:
         """What the ledger charges a step whose drafter was asked and declined (its confidence gate: it caught up
-        with the committed tokens and computed its first logits, then drafted nothing), in plain steps. Timed: its
-        measured time over a plain step's here, but for the sequence's first ask, charged as a plain step (it fed
-        the drafter the prompt, the one-off price of trying the head, as for a first draft). Untimed: a plain step."""
+        with the committed tokens and computed its first logits, then drafted nothing), in plain steps. Timed: a
+        plain step plus the drafter's measured seconds over a plain step's here (the rest of the step verified the
+        root alone, a plain step by definition; priced as the whole step over a plain step estimated before the
+        sequence had run any, a decline came out at the floor of one plain step, free, and on a translation the
+        head was asked and declined 12 steps in a row at ~2.3 ms, 7% of a step, each), but for the sequence's
+        first ask, charged as a plain step (it fed the drafter the prompt, the one-off price of trying the head, as
+        for a first draft). Untimed: a plain step."""
         if self.clock is None or not self._drafted_before:
             return 1.0
-        return max(step_seconds / self.clock.plain_seconds(self._kv_length), 1.0)
+        return 1.0 + self._draft_seconds / self.clock.plain_seconds(self._kv_length)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
                   tree_hidden: dict[int, torch.Tensor] | None) -> None:
@@ -463,7 +472,7 @@ class PayingGuard:
             # guard that drafts at most steps runs few other plain steps: without these, its plain time would stay
             # the verify ratio's prior and hide a verify dearer than modelled); not a draft for the tau estimate
             # (the gate chose it, not the text)
-            price = self.declined_step_price(step_seconds)
+            price = self.declined_step_price()
             self.ledger.add(len(accepted_nodes), price)
             self._declined.observe(price, 1.0)
             self.asks.observe_ask(False)

@@ -420,6 +420,44 @@ def test_a_drafter_that_keeps_declining_is_charged_and_rested():
     assert lost / steps < 0.025
 
 
+def test_a_machine_faster_than_its_cost_model_makes_no_step_look_free():
+    """The cost model was measured while the machine was slow (a plain step 0.050 s, a 3-token verify 0.0505 s);
+    here a plain step takes 0.035 s and a drafted step's verify 0.040 s. Before a sequence has timed plain steps,
+    its plain step is the model's, so a step's measured time over it reads under one plain step. A drafted step is
+    still charged at least a plain step plus the drafter's measured time, so a head that never accepts is never
+    credited on the ledger (before: its second and third drafts were, 0.90 and 0.95 plain steps); and a declined
+    ask is charged a plain step plus the drafter's time, so a drafter whose gate declines every ask rests but for
+    probes (before: a decline was priced 1.004 plain steps, free)."""
+    from runtime.proposers.guard import LOSS_BUDGET, LOSS_SLACK
+
+    chain = Draft(tokens=PROMPT[-3:], tree=Tree.chain(2))
+    clock = _FakeClock()
+    guard = PayingGuard(_SleepyChain(chain, clock, 0.002), step_cost=lambda kv_length: 1.05, expected_tau=1.6,
+                        timed=_costs(0.050, 0.0505, 0.002), verify_tokens=3, clock=clock)
+    committed, balance = PROMPT.clone(), []
+    for _ in range(60):
+        draft = guard.propose(committed, 3)
+        clock.seconds += 0.040 if draft.tree.num_nodes > 1 else 0.035
+        guard.on_accept(committed, draft, [0], None)
+        balance.append(guard.ledger.cost - guard.ledger.tokens)
+    assert min(balance) >= 0.0
+
+    clock = _FakeClock()
+    inner = _DecliningChain(Draft(tokens=PROMPT[-3:], tree=Tree.chain(2)), clock, 0.002)
+    guard = PayingGuard(inner, step_cost=lambda kv_length: 1.05, expected_tau=1.6, timed=_costs(0.050, 0.0505, 0.002),
+                        verify_tokens=3, clock=clock, gate=True)
+    steps, seconds = 200, 0.0
+    for _ in range(steps):
+        started = clock.seconds
+        draft = guard.propose(committed, 3)
+        clock.seconds += 0.035  # the verify of the root alone: a plain step
+        guard.on_accept(committed, draft, [0], None)
+        seconds += clock.seconds - started
+    assert guard.declined_cost == pytest.approx(1 + 0.002 / 0.035, rel=0.05)
+    assert inner.calls < 30
+    assert seconds / 0.035 - steps <= LOSS_BUDGET * steps + LOSS_SLACK + 0.002 / 0.035 * 12
+
+
 class _SometimesDeclining(_SleepyChain):
     """A drafter whose gate declines every `every`-th ask (the root alone) and drafts its chain otherwise; each
     propose takes `seconds` on the test's clock."""
