@@ -99,6 +99,8 @@ class RatioMean:
         self.total, self.weight = 0.0, 0.0
 
     def observe(self, measured: float, modelled: float) -> None:
+        if modelled <= 0:  # a model extrapolated to nothing has no time to compare with (it raised, dividing by 0)
+            return
         self.total = self.decay * self.total + measured / modelled
         self.weight = self.decay * self.weight + 1.0
 
