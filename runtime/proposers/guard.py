@@ -45,16 +45,19 @@ The loss has a cap: a ledger of this sequence's steps (tokens committed, and the
 step at its step cost, a plain one at 1) says how much drafting has lost so far, and while that loss is over
 LOSS_BUDGET of the tokens plus LOSS_SLACK steps the head rests whatever its estimate says, drafting only the probes
 (a probe that pays wins the loss back; plain steps raise the cap as the answer grows). A timed guard charges a
-drafted step its measured time over this sequence's measured plain step; an untimed one its modelled verify plus
+drafted step its measured time over this sequence's measured plain step, and never less than a plain step plus the
+drafter's own measured time (until the sequence has timed plain steps, its plain step is the cost model's, which a
+shared machine's drift can put well above the real one); an untimed one its modelled verify plus
 the drafter's MEASURED time in this step (`charge`, where it is given one), else the step cost. The sequence's
 first draft is charged the step cost alone: it also fed the head the whole prompt (an EAGLE layer over a
 1,000-token prompt: 0.2-0.33 s, 2-4% of the answer), the one-off price of trying the head that the planner chose
 to pay, and resting would not win it back (charged, even a head that pays would rest after it until probes
 had won the loss back). So a guarded sequence loses at most LOSS_BUDGET of its tokens, LOSS_SLACK steps, its last
 drafted step and its first draft's prompt feed. A step whose drafter was asked and declined (EAGLE-2's confidence
-gate: it caught up with the committed tokens and read its first logits, then drafted nothing) is charged its measured
-time too, and is neither a plain step for the clock nor a draft for the estimate: priced as a plain step (before), a
-head that kept declining was asked at every step, and its time made plain steps look dearer to the clock. And an ask
+gate: it caught up with the committed tokens and read its first logits, then drafted nothing) is charged a plain step
+plus the drafter's measured time, counts for the clock as a plain step less the drafter's time, and is not a draft
+for the estimate: priced as a plain step (before), a head that kept declining was asked at every step, and its time
+made plain steps look dearer to the clock. And an ask
 is valued by what the gate lets through (DraftShare, ask_value): the share of this sequence's asks that drafted, at
 the estimated tau and the drafted step's cost, the rest at a declined step's measured price for the plain step's one
 token; so a drafter that keeps declining stops being asked before its declines have spent the loss budget.
