@@ -347,6 +347,10 @@ def steps_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
 LEAN_ENV = "SPECHEADS_LEAN"  # "off": decode steps and verifies keep transformers' forward (A/B measurements)
 
 
+def _lean_off_by_env() -> bool:
+    return os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no")
+
+
 def lean_matches(target: TargetModel, attention: str = "rows", tokens: int = STEPS_PROBE, seed: int = 1) -> str:
     """'' when the lean forward (runtime.lean) with `attention` gives transformers' forward's logits and last hidden
     states bit for bit on `tokens` one-token steps after a random prefix (plain decoding is unchanged) and its
@@ -385,7 +389,7 @@ def lean_line(target: TargetModel, layout: str, use_cache: bool = True) -> str:
     attention = "model" if float32 else "rows"
     if target.mode != "tree" or lean_unavailable(target.model, float32, attention):
         return ""
-    if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    if _lean_off_by_env():
         return f"verify check: lean forward off (${LEAN_ENV}); decode steps run transformers' forward"
     probe = f"lean_model{STEPS_PROBE}" if float32 else f"lean{STEPS_PROBE}"
     difference = str(_cached_probe(target, layout, probe, "difference", lambda: lean_matches(target, attention),
@@ -415,7 +419,7 @@ def lean_for_answers(target: TargetModel) -> str:
             or lean_unavailable(target.model, float32=True) or (target.max_positions is not None
                                                                  and target.max_positions <= PREFIX_LENGTH + STEPS_PROBE):
         return ""
-    if os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    if _lean_off_by_env():
         return f"answers: lean forward off (${LEAN_ENV}); transformers' forward answers"
     before = (target.lean_wanted, target.lean_attention)  # the lean forward exact decoding took
     target.lean_wanted = False

@@ -102,8 +102,8 @@ class RatioMean:
         self.total, self.weight = 0.0, 0.0
 
     def observe(self, measured: float, modelled: float) -> None:
-        if modelled <= 0:  # a model extrapolated to nothing has no time to compare with (it raised, dividing by 0)
-            return
+        if modelled <= 0:  # a model of 0 s (a drafter that costs nothing, a curve extrapolated to nothing) has no
+            return  # time to compare with (it raised, dividing by 0)
         self.total = self.decay * self.total + measured / modelled
         self.weight = self.decay * self.weight + 1.0
 
@@ -135,9 +135,7 @@ class StepClock:
         self.plain.observe(seconds, self.costs.plain_seconds(kv_length))
 
     def observe_drafted(self, kv_length: int, seconds: float, draft_seconds: float) -> None:
-        modelled_draft = self.costs.draft(kv_length)
-        if modelled_draft > 0:
-            self.draft.observe(draft_seconds, modelled_draft)
+        self.draft.observe(draft_seconds, self.costs.draft(kv_length))  # a drafter modelled at 0 s is skipped
         self.verify.observe(max(seconds - draft_seconds, 0.0), self.costs.verify_seconds(self.tokens, kv_length))
 
     @property
@@ -447,8 +445,7 @@ class PayingGuard:
         if self.clock is not None:
             if not self._drafted_before:
                 return self.step_cost
-            plain = self.clock.plain_seconds(self._kv_length)
-            return max(step_seconds / plain, 1.0 + self._draft_seconds / plain)
+            return max(step_seconds / self.clock.plain_seconds(self._kv_length), self._plain_and_drafter())
         return self.step_cost if self.charge is None else self.charge(self._kv_length, self._draft_seconds)
 
     def declined_step_price(self) -> float:
@@ -462,6 +459,10 @@ class PayingGuard:
         for a first draft). Untimed: a plain step."""
         if self.clock is None or not self._drafted_before:
             return 1.0
+        return self._plain_and_drafter()
+
+    def _plain_and_drafter(self) -> float:
+        """A plain step plus the drafter's measured seconds in this step, in plain steps here (timed guards)."""
         return 1.0 + self._draft_seconds / self.clock.plain_seconds(self._kv_length)
 
     def on_accept(self, committed_ids: torch.Tensor, draft: Draft, accepted_nodes: list[int],
