@@ -76,9 +76,30 @@ def test_verify_forward_restores_cache_length():
     target = TargetModel(tiny_model("qwen3"))
     run = target_verify_forward(target, kv_length=8)
     calls = []
-    timings = measure_curve(lambda q: (calls.append(q), run(q)), [1, 5], repeats=2, warmup=1)
+    timings = measure_curve(lambda q: (calls.append(q), run(q)), [1, 5], repeats=2, warmup=1, small_factor=1)
     assert len(timings) == 2 and calls == [1, 5, 1, 5, 1, 5]
     assert target.cache.get_seq_length() == 8 and target.prefix_len == 8
+
+
+def test_small_sizes_are_timed_more_often_and_read_by_their_fastest_run(monkeypatch):
+    """A shared machine only adds time: each size's time is its fastest run, and sizes up to SMALL_SIZES (whose
+    ratios are the break-evens) run small_factor times as often as larger ones, interleaved."""
+    from runtime import timing
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+    delays = {1: [5, 1, 4, 9, 3, 7], 16: [8, 6]}  # extra clock ticks each run takes, in run order
+
+    def run(q):
+        calls.append(q)
+        if len(calls) > 2:  # past the warm-up (one untimed call per size)
+            for _ in range(delays[q].pop(0)):
+                next(clock)
+
+    timings = timing.measure_curve(run, [1, 16], repeats=2, warmup=1, small_factor=3)
+    assert calls == [1, 16, 1, 16, 1, 1, 1, 16, 1, 1]
+    assert timings == [2.0, 7.0]  # 1 + the fewest extra ticks of each size (1 of 1's six runs, 6 of 16's two)
 
 
 def test_load_curve_reads_the_runtime_cache_and_bench_cost_curve_output(tmp_path):
