@@ -13,7 +13,6 @@ import torch
 from runtime.target import TargetModel
 from runtime.tree import Tree
 
-
 SMALL_SIZES = 8  # forwards of up to this many tokens are timed SMALL_FACTOR times as often as larger ones
 SMALL_FACTOR = 3
 
