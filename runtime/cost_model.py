@@ -386,14 +386,15 @@ GUARD_KV_LENGTHS = (256, 1024, 2048)  # where step costs are measured; in betwee
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (xs[i], ys[i]) (xs increasing), extended linearly beyond both ends, but beyond the
-    last never below the lowest measured value: a last segment that falls (timing noise: a 260K-parameter model's
-    curve measured cheaper at KV 504 than at 256) would otherwise reach zero further out."""
+    """Piecewise-linear through (xs[i], ys[i]) (xs increasing), extended linearly beyond both ends, but outside the
+    measured range never below the lowest measured value: a last segment that falls (timing noise: a 260K-parameter
+    model's curve measured cheaper at KV 504 than at 256) would otherwise reach zero further out, and so would a
+    steep first segment extended back towards KV 0 (a step's weights cost the same at any KV length)."""
     if len(xs) == 1:
         return float(ys[0])
     i = next((k for k in range(1, len(xs)) if xs[k] >= x), len(xs) - 1)
     value = float(ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
-    if x > xs[-1]:
+    if x > xs[-1] or x < xs[0]:
         value = max(value, float(min(ys)))
     return value
 

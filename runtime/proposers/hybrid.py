@@ -206,7 +206,7 @@ class HybridProposer:
 
     def _time_head(self, kv_length: int) -> None:
         modelled = self.costs.draft(kv_length) + self.costs.feed(self._pending, kv_length)
-        if self._head_drafted_before and modelled > 0:
+        if self._head_drafted_before:  # (RatioMean skips a model of 0 s)
             self._draft_ratio.observe(self._head_seconds, modelled)
         self._head_drafted_before = True
 

@@ -134,8 +134,8 @@ def test_equal_expected_trees_take_the_widest_top_k():
 
 def test_costs_beyond_the_measured_kv_lengths_never_fall_to_zero():
     """A noisy curve measured cheaper at the longer KV length: beyond it the costs hold at the lowest measured value
-    instead of falling along the segment to 0 s; a rising end segment still extends, and between the points and
-    below the first the interpolation is unchanged. And a modelled time of 0 is skipped by the guard's clock
+    instead of falling along the segment to 0 s, and so below the first one (a steep first segment extended back
+    towards KV 0); a rising end segment still extends, and between the points the interpolation is unchanged. And a modelled time of 0 is skipped by the guard's clock
     instead of divided by (it raised ZeroDivisionError in a batched test with stories260K)."""
     from runtime.cost_model import StepCosts, interpolate
     from runtime.proposers.guard import RatioMean
@@ -143,7 +143,9 @@ def test_costs_beyond_the_measured_kv_lengths_never_fall_to_zero():
     assert interpolate([256, 504], [0.002, 0.0015], 4000) == pytest.approx(0.0015)
     assert interpolate([256, 504], [0.002, 0.0015], 380) == pytest.approx(0.00175)
     assert interpolate([256, 1024], [0.040, 0.048], 2048) == pytest.approx(0.0587, rel=1e-3)
-    assert interpolate([256, 1024], [0.010, 0.050], 128) == pytest.approx(0.010 - 0.040 / 6)
+    assert interpolate([256, 1024], [0.010, 0.050], 128) == pytest.approx(0.010)  # a steep first segment held
+    assert interpolate([256, 1024], [0.010, 0.011], 128) == pytest.approx(0.010)
+    assert interpolate([256, 1024], [0.012, 0.010], 128) == pytest.approx(0.012 + 0.002 / 6)  # falling: extended
     curve_short = CostCurve(tokens=[1, 3], seconds=[0.002, 0.003])
     curve_long = CostCurve(tokens=[1, 3], seconds=[0.0014, 0.0016])
     costs = StepCosts([256, 504], [curve_short, curve_long], [0.001, 0.0008])
