@@ -351,12 +351,10 @@ def _lean_off_by_env() -> bool:
     return os.environ.get(LEAN_ENV, "").strip().lower() in ("off", "0", "false", "no")
 
 
-def lean_matches(target: TargetModel, attention: str = "rows", tokens: int = STEPS_PROBE, seed: int = 1) -> str:
-    """'' when the lean forward (runtime.lean) with `attention` gives transformers' forward's logits and last hidden
-    states bit for bit on `tokens` one-token steps after a random prefix (plain decoding is unchanged) and its
-    `tokens`-token verify gives, bit for bit, for "rows" (bf16: the row kernel) its own one-token steps' logits
-    (speculation is lossless on it), for "model" (float32: the model's own attention function) transformers' verify
-    logits (float32 decoding on it is the same numbers, only faster); else what differed, or that it raised."""
+def _reference_and_lean(target: TargetModel, attention: str, tokens: int, seed: int
+                        ) -> tuple[tuple, tuple | Exception]:
+    """The same probe (`_probe_forwards`, hidden states too) through transformers' forward and through the lean
+    forward with `attention` (or what the lean forward raised); the target's lean settings restored after."""
     wanted = (target.lean_wanted, target.lean_attention)
     try:
         target.lean_wanted = False
@@ -364,10 +362,22 @@ def lean_matches(target: TargetModel, attention: str = "rows", tokens: int = STE
         target.lean_wanted, target.lean_attention = True, attention
         try:
             lean = _probe_forwards(target, tokens, seed, with_hidden=True)
-        except Exception as error:  # an attention function that does not take our call: transformers' forward stays
-            return f"forward failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        except Exception as error:
+            lean = error
     finally:
         target.lean_wanted, target.lean_attention = wanted
+    return reference, lean
+
+
+def lean_matches(target: TargetModel, attention: str = "rows", tokens: int = STEPS_PROBE, seed: int = 1) -> str:
+    """'' when the lean forward (runtime.lean) with `attention` gives transformers' forward's logits and last hidden
+    states bit for bit on `tokens` one-token steps after a random prefix (plain decoding is unchanged) and its
+    `tokens`-token verify gives, bit for bit, for "rows" (bf16: the row kernel) its own one-token steps' logits
+    (speculation is lossless on it), for "model" (float32: the model's own attention function) transformers' verify
+    logits (float32 decoding on it is the same numbers, only faster); else what differed, or that it raised."""
+    reference, lean = _reference_and_lean(target, attention, tokens, seed)
+    if isinstance(lean, Exception):  # an attention function that does not take our call: transformers' forward stays
+        return f"forward failed ({type(lean).__name__}: {str(lean).splitlines()[0] if str(lean) else ''})"
     for label, got, want in zip(("step logits", "step hidden states"), lean, reference, strict=False):
         if not torch.equal(got, want):
             return f"{label} differ from transformers' forward"
@@ -421,18 +431,16 @@ def lean_for_answers(target: TargetModel) -> str:
         return ""
     if _lean_off_by_env():
         return f"answers: lean forward off (${LEAN_ENV}); transformers' forward answers"
-    before = (target.lean_wanted, target.lean_attention)  # the lean forward exact decoding took
-    target.lean_wanted = False
-    reference = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
-    target.lean_wanted, target.lean_attention = True, "rows"
-    lean = _probe_forwards(target, STEPS_PROBE, 1, with_hidden=True)
+    reference, lean = _reference_and_lean(target, "rows", STEPS_PROBE, 1)
+    if isinstance(lean, Exception):
+        raise lean
     gap = max(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
               for got, want in zip(lean[:2], reference[:2], strict=True))
     same_argmax = torch.equal(lean[0].argmax(-1), reference[0].argmax(-1))
     if gap <= LEAN_DATA_TOLERANCE and same_argmax and torch.equal(lean[2], lean[0]):
+        target.lean_wanted, target.lean_attention = True, "rows"
         return (f"answers: lean forward on (float32): logits and hidden states within {gap:.1e} of transformers' "
                 f"forward (the largest |value| as the unit), argmax equal on {STEPS_PROBE} steps")
-    target.lean_wanted, target.lean_attention = before
     forward = "the lean forward with the model's attention" if target.lean_wanted else "transformers' forward"
     return (f"answers: lean forward off (float32: {gap:.1e} from transformers' forward, argmax "
             f"{'equal' if same_argmax else 'differs'}); {forward} answers")
