@@ -45,7 +45,7 @@ class CostCurveArgs:
                                                 "bfloat16 / float16; curves are cached per dtype"})
     kv_length: int = field(default=1024, metadata={"help": "committed tokens in the KV cache before the verify"})
     max_tokens: int = field(default=256, metadata={"help": "largest verify size (root + tree nodes)"})
-    repeats: int = field(default=7, metadata={"help": "timed repeats per size (the fastest reported; sizes up to 8 run 3x as often)"})
+    repeats: int = field(default=7, metadata={"help": "timed repeats per size (median reported; sizes up to 8 run 3x as often)"})
     accuracy: str = field(default="configs/trees/medusa_default_32.yaml", metadata={
         "help": "tree file whose 'accuracy' table gives E[tau(n)] for the auto choice printed at the end"})
     output: str = field(default="", metadata={"help": "JSON file for the curve and the auto choice"})
@@ -69,10 +69,10 @@ def random_llama3_8b(device: str, dtype: torch.dtype):
 def plot_curve(curve: CostCurve, path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o", linestyle="", label="fastest")
+    ax[0].plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o", linestyle="", label="median")
     ax[0].plot(curve.tokens, [s * 1000 for s in curve.fitted], label="isotonic fit")
     ax[0].legend()
-    ax[0].set(xlabel="tree tokens per verify forward", ylabel="ms (fastest)", xscale="log",
+    ax[0].set(xlabel="tree tokens per verify forward", ylabel="ms (median)", xscale="log",
               title=f"{curve.model}\n{curve.device}, {curve.dtype}, KV {curve.kv_length}")
     ax[1].plot(curve.tokens, curve.relative(), marker="o")
     ax[1].set(xlabel="tree tokens per verify forward", ylabel="cost / 1-token forward", xscale="log")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"curve": asdict(curve), "fitted": curve.fitted, "relative": curve.relative()}
     print(f"{curve.model} on {curve.device} ({curve.dtype}, KV {curve.kv_length}):")
     for q, s, f, r in zip(curve.tokens, curve.seconds, curve.fitted, result["relative"], strict=True):
-        print(f"  {q:4d} tokens  fastest {s * 1000:9.3f} ms  fitted {f * 1000:9.3f} ms  x{r:5.2f}")
+        print(f"  {q:4d} tokens  median {s * 1000:9.3f} ms  fitted {f * 1000:9.3f} ms  x{r:5.2f}")
     if args.accuracy:
         table = yaml.safe_load(Path(args.accuracy).read_text())["accuracy"]
         taus = expected_accepted_lengths(table, args.max_tokens - 1)

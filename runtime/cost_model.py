@@ -8,7 +8,7 @@ is chosen per device:
     size* = argmax_n  E[tau(n)] / (t_verify(n + 1) + t_draft(n))
 
 with E[tau(n)] the expected accepted length (bonus included) of the best n-node tree for the heads (from
-their measured per-depth/per-rank accuracies), t_verify(q) the fastest time of a target forward over q tree
+their measured per-depth/per-rank accuracies), t_verify(q) the median time of a target forward over q tree
 tokens (root + n nodes) at a given KV length, measured here, and t_draft(n) the drafter's time per step.
 
 Measured curves are cached per (model, device, dtype, KV length, threads) as JSON under
@@ -210,8 +210,8 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
             return False
 
     # what runs the forward is part of the key (the layout is in the fingerprint): the kernels and the lean forward
-    # and how a size's time is read from its runs (measure_curve: the fastest, since session 69; before, the median)
-    code = f"k{kernels.source_key()}{'-lean' if target.lean_forward() is not None else ''}-fastest"
+    # and how many runs a size's median is read from (measure_curve: small sizes 3x as many since session 69)
+    code = f"k{kernels.source_key()}{'-lean' if target.lean_forward() is not None else ''}-small3"
     return CostCurve(**cache.cached_json(_cache_file(**meta, code=code), measure, covers, use_cache))
 
 

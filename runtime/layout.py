@@ -307,14 +307,14 @@ def _cache_path(fingerprint: str, device: str, dtype: str) -> Path:
 
 
 def measure_layouts(target, kv_length: int = 256, rounds: int = 3, repeats: int = 5) -> dict[str, float]:
-    """Median over rounds of the fastest seconds of a 1-token forward of `target` in each storage (interleaved rounds); leaves it `rows`."""
+    """Median seconds of a 1-token forward of `target` in each storage (interleaved rounds); leaves it `rows`."""
     measured = measure_verify(target, ["rows", "transposed"], (1,), kv_length, rounds, repeats)
     return {layout: seconds[0] for layout, seconds in measured.items()}
 
 
 def measure_verify(target, layouts: list[str], sizes: tuple[int, ...], kv_length: int = 256, rounds: int = 3,
                    repeats: int = 5) -> dict[str, list[float]]:
-    """Median over rounds of the fastest seconds of a forward over each of `sizes` tokens in each layout (interleaved rounds); leaves the model
+    """Median seconds of a forward over each of `sizes` tokens in each layout (interleaved rounds); leaves the model
     in layouts[0]. Empty when one of the layouts cannot be set on this model (oneDNN or the kernel refuses)."""
     run = target_verify_forward(target, kv_length_within(target, kv_length, max(sizes)))
     samples: dict[str, list[list[float]]] = {layout: [] for layout in layouts}
