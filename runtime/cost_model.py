@@ -39,6 +39,8 @@ from runtime.layout import model_fingerprint
 from runtime.proposers.base import pending_entries
 from runtime.target import TargetModel
 from runtime.timing import (
+    SMALL_FACTOR,
+    SMALL_SIZES,
     device_name,
     kv_length_within,
     measure_curve,
@@ -210,8 +212,9 @@ def verify_cost_curve(target: TargetModel, kv_length: int = 256, max_tokens: int
             return False
 
     # what runs the forward is part of the key (the layout is in the fingerprint): the kernels and the lean forward
-    # and how many runs a size's median is read from (measure_curve: small sizes 3x as many since session 69)
-    code = f"k{kernels.source_key()}{'-lean' if target.lean_forward() is not None else ''}-small3"
+    # and how many runs a size's median is read from (measure_curve: sizes up to SMALL_SIZES SMALL_FACTOR x as many)
+    lean = "-lean" if target.lean_forward() is not None else ""
+    code = f"k{kernels.source_key()}{lean}-small{SMALL_SIZES}x{SMALL_FACTOR}"
     return CostCurve(**cache.cached_json(_cache_file(**meta, code=code), measure, covers, use_cache))
 
 

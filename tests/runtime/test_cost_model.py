@@ -135,8 +135,9 @@ def test_equal_expected_trees_take_the_widest_top_k():
 def test_costs_beyond_the_measured_kv_lengths_never_fall_to_zero():
     """A noisy curve measured cheaper at the longer KV length: beyond it the costs hold at the lowest measured value
     instead of falling along the segment to 0 s, and so below the first one (a steep first segment extended back
-    towards KV 0); a rising end segment still extends, and between the points the interpolation is unchanged. And a modelled time of 0 is skipped by the guard's clock
-    instead of divided by (it raised ZeroDivisionError in a batched test with stories260K)."""
+    towards KV 0); a rising end segment still extends, and between the points the interpolation is unchanged. And a
+    modelled time of 0 is skipped by the guard's clock instead of divided by (it raised ZeroDivisionError in a
+    batched test with stories260K)."""
     from runtime.cost_model import StepCosts, interpolate
     from runtime.proposers.guard import RatioMean
 
